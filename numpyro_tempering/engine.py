@@ -133,6 +133,7 @@ def _single_particle(
     _validate_model(model_trace, plate_warning="loose")
     mutable.update({n: s["value"] for n, s in model_trace.items() if s["type"] == "mutable"})
 
+    scale = None if plate is None else _plate_scale(model_trace, plate)
     zero = jnp.zeros(())
     log_prior, log_lik, elements = zero, zero, zero
     for name, log_prob in model_log_probs.items():
@@ -149,7 +150,7 @@ def _single_particle(
         log_lik=log_lik,
         log_q=log_q,
         log_lik_elements=elements if plate is not None else None,
-        plate_scale=_plate_scale(model_trace, plate) if plate is not None else None,
+        plate_scale=scale,
         mutable_state=mutable or None,
     )
 

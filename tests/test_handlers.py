@@ -1,0 +1,195 @@
+"""The `temper` handler: exact log densities, selection, composition and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpyro import handlers
+from numpyro.infer.util import log_density
+
+from numpyro_tempering import schedules, temper
+from numpyro_tempering.handlers import TEMPERED
+
+X = jnp.array([0.3, -1.2, 2.0, 0.7])
+PARAMS = {"mu": 0.4, "z": jnp.array([0.1, -0.5, 0.2, 1.0])}
+
+
+def model(x=X):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        numpyro.sample("x", dist.Normal(z, 0.5), obs=x)
+
+
+def by_hand(T=1.0, T_z=1.0, mu=PARAMS["mu"], z=PARAMS["z"], x=X):
+    prior = dist.Normal(0.0, 2.0).log_prob(mu)
+    local = dist.Normal(mu, 1.0).log_prob(z).sum()
+    lik = dist.Normal(z, 0.5).log_prob(x).sum()
+    return prior + local / T_z + lik / T
+
+
+def logp(fn, params=PARAMS, args=()):
+    return log_density(fn, args, {}, params)[0]
+
+
+def test_log_density_is_prior_plus_likelihood_over_T():
+    np.testing.assert_allclose(logp(temper(model, 3.0)), by_hand(T=3.0), rtol=1e-6)
+
+
+def test_latent_sites_are_tempered_jointly_with_the_likelihood():
+    out = logp(temper(model, 2.5, latent=("z",)))
+    np.testing.assert_allclose(out, by_hand(T=2.5, T_z=2.5), rtol=1e-6)
+
+
+def test_sites_by_name_and_by_predicate():
+    only_z = logp(temper(model, 2.0, sites="z"))
+    np.testing.assert_allclose(only_z, by_hand(T_z=2.0), rtol=1e-6)
+    pred = logp(temper(model, 2.0, sites=lambda msg: msg["name"] in ("z", "x")))
+    np.testing.assert_allclose(pred, by_hand(T=2.0, T_z=2.0), rtol=1e-6)
+
+
+def test_marks_exactly_the_tempered_sites():
+    tr = handlers.trace(handlers.substitute(temper(model, 2.0), PARAMS)).get_trace()
+    marked = {n for n, s in tr.items() if s["type"] == "sample" and s["infer"].get(TEMPERED)}
+    assert marked == {"x"}
+
+
+def factor_model():
+    mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    numpyro.factor("penalty", -(mu**2))
+    numpyro.factor("loglik", -3.0 * (mu - 1.0) ** 2)
+
+
+def test_factor_sites_are_likelihood_by_default_and_can_be_excluded():
+    prior = dist.Normal(0.0, 1.0).log_prob(0.5)
+    pen, lik = -(0.5**2), -3.0 * 0.25
+    out = logp(temper(factor_model, 4.0), {"mu": 0.5})
+    np.testing.assert_allclose(out, prior + (pen + lik) / 4.0, rtol=1e-6)
+    out = logp(temper(factor_model, 4.0, exclude="penalty"), {"mu": 0.5})
+    np.testing.assert_allclose(out, prior + pen + lik / 4.0, rtol=1e-6)
+
+
+def test_context_manager_and_decorator_forms():
+    def inner():
+        with temper(temperature=2.0):
+            model()
+
+    np.testing.assert_allclose(logp(inner), by_hand(T=2.0), rtol=1e-6)
+
+    @temper(temperature=2.0)
+    def decorated():
+        model()
+
+    np.testing.assert_allclose(logp(decorated), by_hand(T=2.0), rtol=1e-6)
+
+
+def test_per_datapoint_temperature_array():
+    T = jnp.array([1.0, 2.0, 4.0, 8.0])
+    out = logp(temper(model, T))
+    lik = (dist.Normal(PARAMS["z"], 0.5).log_prob(X) / T).sum()
+    expected = by_hand(T=jnp.inf) + lik
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_per_datapoint_temperature_of_wrong_shape_names_the_site():
+    with pytest.raises(ValueError, match="site 'x'"):
+        logp(temper(model, jnp.ones(3) * 2.0))
+
+
+def test_vmap_over_a_vector_of_temperatures():
+    temps = jnp.array([1.0, 2.0, 5.0, 10.0])
+    out = jax.vmap(lambda T: logp(temper(model, T)))(temps)
+    expected = jnp.stack([by_hand(T=float(t)) for t in temps])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+def test_traced_temperature_under_jit():
+    f = jax.jit(lambda T: logp(temper(model, T)))
+    np.testing.assert_allclose(f(3.0), by_hand(T=3.0), rtol=1e-6)
+    np.testing.assert_allclose(f(7.0), by_hand(T=7.0), rtol=1e-6)
+
+
+def test_composes_with_subsampled_plate():
+    def sub_model():
+        with numpyro.plate("data", 100, subsample_size=4) as idx:
+            numpyro.sample("x", dist.Normal(0.0, 1.0), obs=jnp.arange(4.0)[jnp.argsort(idx)])
+
+    tr = handlers.trace(handlers.seed(temper(sub_model, 5.0), 0)).get_trace()
+    np.testing.assert_allclose(tr["x"]["scale"], 25.0 / 5.0, rtol=1e-6)
+
+
+def test_composes_with_condition_and_seed():
+    # `condition` turns z into data: it is then tempered with the likelihood
+    conditioned = handlers.condition(model, {"z": PARAMS["z"]})
+    out = logp(temper(conditioned, 2.0), {"mu": PARAMS["mu"]})
+    np.testing.assert_allclose(out, by_hand(T=2.0, T_z=2.0), rtol=1e-6)
+    tr = handlers.trace(handlers.seed(temper(model, 2.0), 3)).get_trace()
+    tr2 = handlers.trace(handlers.seed(model, 3)).get_trace()
+    np.testing.assert_array_equal(tr["z"]["value"], tr2["z"]["value"])
+
+
+positive_T = st.floats(0.05, 50.0, allow_nan=False)
+
+
+@settings(max_examples=25, deadline=None)
+@given(T1=positive_T, T2=positive_T, s=st.floats(0.1, 10.0))
+def test_properties_identity_stacking_and_scale(T1, T2, s):
+    base = logp(model)
+    np.testing.assert_allclose(logp(temper(model, 1.0)), base, rtol=1e-6)
+    twice = logp(temper(temper(model, T1), T2))
+    np.testing.assert_allclose(twice, by_hand(T=T1 * T2), rtol=2e-5, atol=1e-5)
+    scaled = logp(handlers.scale(temper(model, T1), s))
+    np.testing.assert_allclose(scaled, s * by_hand(T=T1), rtol=2e-5, atol=1e-5)
+    inner_scaled = logp(temper(handlers.scale(model, s), T1))
+    np.testing.assert_allclose(inner_scaled, s * by_hand(T=T1), rtol=2e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_float32_and_float64(dtype):
+    with jax.enable_x64(dtype == jnp.float64):
+        x = jnp.asarray(X, dtype)
+        params = {k: jnp.asarray(v, dtype) for k, v in PARAMS.items()}
+        out = log_density(temper(model, jnp.asarray(3.0, dtype)), (x,), {}, params)[0]
+        assert out.dtype == dtype
+        expected = by_hand(T=3.0, mu=params["mu"], z=params["z"], x=x)
+        tol = 1e-12 if dtype == jnp.float64 else 1e-6
+        np.testing.assert_allclose(out, expected, rtol=tol)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf"), jnp.array([1.0, -2.0])])
+def test_bad_temperature_names_the_argument(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        temper(model, bad)
+
+
+def test_schedule_returning_non_finite_is_rejected():
+    with pytest.raises(ValueError, match="schedule"):
+        temper(model, lambda step: jnp.nan * step)
+
+
+def test_unknown_site_lists_the_sites_that_exist():
+    with pytest.raises(ValueError, match=r"'zz'.*\['mu', 'x', 'z'\]"):
+        logp(temper(model, 2.0, latent=("zz",)))
+
+
+def test_model_with_nothing_to_temper():
+    def prior_only():
+        numpyro.sample("mu", dist.Normal(0.0, 1.0))
+
+    with pytest.raises(ValueError, match="nothing to temper"):
+        logp(temper(prior_only, 2.0), {"mu": 0.0})
+
+
+def test_schedule_clock_reads_the_step_from_mutable_state():
+    sched = schedules.linear(10.0, 1.0, num_steps=9)
+    clock = {"_temper_clock": {"step": jnp.array(3), "temperature": jnp.array(0.0)}}
+    tr = handlers.trace(handlers.substitute(temper(model, sched), {**PARAMS, **clock})).get_trace()
+    np.testing.assert_allclose(tr["x"]["scale"], 1.0 / 7.0, rtol=1e-6)
+    state = tr["_temper_clock"]["value"]
+    assert int(state["step"]) == 4 and float(state["temperature"]) == pytest.approx(7.0)
+    # without SVI's state (e.g. a bare log_density) the schedule starts at step 0
+    np.testing.assert_allclose(logp(temper(model, sched)), by_hand(T=10.0), rtol=1e-6)
