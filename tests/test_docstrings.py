@@ -17,5 +17,6 @@ MODULES = sorted(
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples(name):
     module = importlib.import_module(name)
-    failures, _ = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    failures, _ = doctest.testmod(module, optionflags=flags)
     assert failures == 0
