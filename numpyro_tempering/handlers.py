@@ -233,3 +233,11 @@ class temper(Messenger):
         msg["scale"] = beta if msg.get("scale") is None else beta * msg["scale"]
         msg["infer"] = {**(msg.get("infer") or {}), TEMPERED: True}
         self._num_tempered += 1
+
+    def postprocess_message(self, msg: dict) -> None:
+        # ``replay`` (outside the model in every ELBO) replaces ``msg["infer"]`` with a copy of
+        # the guide site's after this handler ran: mark that copy again. It is a fresh dict
+        # that ``trace`` shares with the recorded site, so marking it in place is what the
+        # recorded trace shows.
+        if msg["type"] == "sample" and self.selects(msg):
+            msg["infer"][TEMPERED] = True

@@ -195,3 +195,32 @@ def test_schedule_given_to_the_elbo_points_to_temper():
 def test_bad_temperature_in_the_elbo(bad):
     with pytest.raises(ValueError, match="temperature"):
         TemperedELBO(bad)
+
+
+def local_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        numpyro.sample("x", dist.Normal(z, 0.5), obs=x)
+
+
+def test_tempered_latent_sites_sampled_by_the_guide_are_in_the_likelihood_group():
+    # the guide samples z: NumPyro's replay copies the guide's `infer` over the model's
+    guide = AutoNormal(local_model)
+    svi = SVI(local_model, guide, optax.adam(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(KEY, X))
+    lw = log_weights(KEY, params, temper(local_model, 1.0, latent="z"), guide, (X,),
+                     plate="data")
+    model_seed, guide_seed = jax.random.split(KEY)
+    tr = numpyro.handlers.trace(
+        numpyro.handlers.seed(numpyro.handlers.substitute(guide, params), guide_seed)
+    ).get_trace(X)
+    mu, z = tr["mu"]["value"], tr["z"]["value"]
+    np.testing.assert_allclose(lw.log_prior[0], dist.Normal(0.0, 2.0).log_prob(mu), rtol=1e-6)
+    lik = dist.Normal(mu, 1.0).log_prob(z) + dist.Normal(z, 0.5).log_prob(X)
+    np.testing.assert_allclose(lw.log_lik_elements[0], lik, rtol=1e-5)
+    # and the tempered ELBO at T divides exactly that group
+    T = 2.5
+    expected = lw.log_prior + lw.log_lik / T - lw.log_q
+    out = -TemperedELBO(T, latent="z").loss(KEY, params, local_model, guide, X)
+    np.testing.assert_allclose(out, expected[0], rtol=1e-5)
