@@ -1,5 +1,7 @@
 """Objectives for :class:`numpyro.infer.SVI`, each a thin layer over the log-weight engine."""
 
+from numpyro_tempering.objectives.cubo import CUBO
+from numpyro_tempering.objectives.klpq import KLpq, stop_sample_gradients
 from numpyro_tempering.objectives.tempered import TemperedELBO
 
-__all__ = ["TemperedELBO"]
+__all__ = ["CUBO", "KLpq", "TemperedELBO", "stop_sample_gradients"]

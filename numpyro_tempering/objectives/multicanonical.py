@@ -1,0 +1,385 @@
+r"""The multicanonical ELBO of multicanonical VI (annealed-and-multicanonical-vi, eq. 13, 18).
+
+The multicanonical model (eq. 10-11) draws a temperature :math:`y \sim \mathrm{Mult}(\pi)`
+from a ladder and tempers the likelihood at :math:`T_y`, normalised by :math:`C(T_y)`. With
+the mean-field family :math:`q(\beta, z)\, q(y)` (eq. 12) the bound is eq. 13:
+
+.. math::
+
+    \mathcal{L}_M = \mathbb{E}_q[\log p(\beta) - \log q(\beta, z)]
+        + \sum_m r_m \Big(\frac{\ell}{T_m} - \log C(T_m) + \log \pi_m - \log r_m\Big),
+    \qquad \ell = \mathbb{E}_q[\log p(x, z \mid \beta)],
+
+and its maximiser over :math:`q(y) = r` is the closed form eq. 18,
+
+.. math::
+
+    r_m^* \propto \exp\Big\{\frac{\ell}{T_m} - \log C(T_m) + \log \pi_m\Big\}.
+
+:class:`MulticanonicalELBO` recomputes :math:`r^*` at every step from the current
+(Monte Carlo) expected log-likelihood, held fixed for the gradient, so the gradient is that
+of the tempered ELBO (eq. 7) at the *effective inverse temperature*
+:math:`\mathbb{E}_{r^*}[1/T_y]` (eq. 15-17); since :math:`r^*` is the maximiser, this is
+also the gradient of :math:`\max_r \mathcal{L}_M` (envelope theorem). The loss is
+:math:`-\mathcal{L}_M(r^*)`.
+
+Global or local temperature
+---------------------------
+* ``plate=None``: one temperature for the whole model (the paper's FMM).
+* ``plate="docs"``: one temperature per element of that plate (the paper's per-document
+  temperatures for LDA): :math:`q(y_n) \propto \exp\{\ell_n / T_m - \log C(T_m)/N +
+  \log\pi_m\}` with :math:`\ell_n` the expected log-likelihood of element :math:`n` and
+  :math:`N` the plate's full size. The ladder's ``log_c`` is always that of the *whole*
+  model; :math:`\log C(T)/N` is its per-element share, so that if every element has the
+  same temperature the per-element normalisers add up to :math:`\log C(T)` (exact when
+  :math:`\log C(T) = N \log c(T)`, e.g. when the per-element normaliser does not depend on
+  the globals; otherwise a mean-field share, as the paper's "log C scales with the number
+  of words", supplement B.1). Every tempered site must be inside the plate.
+
+Subsampling (``plate(..., subsample_size=B)``) works: the engine's per-element
+log-likelihoods carry the scale :math:`N/B`; the local :math:`\ell_n` is divided by it, and
+the per-element terms are scaled back by :math:`N/B`. A global temperature uses the
+unbiased minibatch estimate of :math:`\ell` (as the paper's Algorithm 1 does).
+
+The learnt temperature trajectory
+---------------------------------
+Stock :class:`~numpyro.infer.SVI` returns only the loss per step, so this module offers:
+
+* :meth:`MulticanonicalELBO.temperature_posterior` -- :math:`q(y)` and :math:`\mathbb{E}[T]`
+  at given parameters (e.g. ``svi.get_params(state)``); and
+  :meth:`MulticanonicalELBO.temperature_trajectory` for a list of saved parameters;
+* :func:`record_temperatures` -- wrap the model given to SVI to carry a fixed-size history
+  (one row per step: :math:`q(y)` and :math:`\mathbb{E}_q[T]`; for a local temperature the
+  minibatch average) in a ``numpyro.mutable`` site, the one piece of state SVI carries
+  between updates; :func:`temperature_history` reads it from the result of ``svi.run``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from numpyro.handlers import seed, trace
+from numpyro.infer.elbo import ELBO
+from numpyro.primitives import mutable
+
+from numpyro_tempering.engine import LogWeights, log_weights
+from numpyro_tempering.handlers import temper
+from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.log_partition import ModelSizes, _sizes_from_trace
+
+__all__ = [
+    "RECORD",
+    "MulticanonicalELBO",
+    "TemperatureHistory",
+    "TemperaturePosterior",
+    "multicanonical_elbo",
+    "record_temperatures",
+    "temperature_history",
+]
+
+#: Name of the mutable site :func:`record_temperatures` adds to a model.
+RECORD = "_multicanonical_record"
+
+
+class TemperaturePosterior(NamedTuple):
+    """The closed-form :math:`q(y)` (eq. 18) and its moments.
+
+    Global temperature: ``probs`` has shape ``(M,)`` and the moments are scalars; local:
+    ``(B, M)`` and ``(B,)`` for the ``B`` plate elements of the (mini)batch.
+    """
+
+    probs: jax.Array
+    mean_temperature: jax.Array
+    mean_inverse_temperature: jax.Array
+
+
+def multicanonical_elbo(
+    weights: LogWeights,
+    ladder: Ladder,
+    plate_size: int | None = None,
+    probs: jax.Array | None = None,
+) -> tuple[jax.Array, TemperaturePosterior]:
+    r"""The M-ELBO (eq. 13) from the engine's log weights, at :math:`q(y) = ` ``probs``.
+
+    Args:
+        weights: :class:`~numpyro_tempering.engine.LogWeights` of a model whose likelihood
+            sites are marked tempered (with ``log_lik_elements`` for a local temperature).
+        ladder: the ladder, with ``log_c``.
+        plate_size: ``None`` for a global temperature; the full size ``N`` of the plate of
+            ``weights.log_lik_elements`` for a local one.
+        probs: :math:`q(y)`, shape ``(M,)`` (or ``(B, M)``); default the optimum eq. 18,
+            computed from the current :math:`\ell` under ``stop_gradient``. Gradients flow
+            through a given ``probs``.
+
+    Returns:
+        ``(m_elbo, posterior)``; the gradient of ``m_elbo`` flows only through the
+        log weights, at the effective inverse temperature :math:`\mathbb{E}_q[1/T_y]`.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from numpyro_tempering.engine import LogWeights
+        >>> w = LogWeights(jnp.zeros(1), jnp.array([-3.0]), jnp.zeros(1))
+        >>> lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0])
+        >>> value, post = multicanonical_elbo(w, lad)
+        >>> # eq. 18: r ~ exp(-3/T - log C): logits (-3, -2.5); value = logsumexp(logits) + log(1/2)
+        >>> round(float(value), 4), [round(float(p), 4) for p in post.probs]
+        (-2.7191, [0.3775, 0.6225])
+    """
+    dtype = jnp.result_type(weights.log_lik.dtype, float)
+    inv_t, log_pi, log_c = ladder.arrays(dtype)
+    if plate_size is None:
+        ell = jnp.mean(weights.log_lik)  # expected (scaled) log-likelihood
+        lik_particles = weights.log_lik  # (S,)
+        scale = 1.0
+    else:
+        if weights.log_lik_elements is None:
+            raise ValueError("a local temperature needs log_lik_elements (engine plate=...).")
+        scale = weights.plate_scale
+        lik_particles = weights.log_lik_elements  # (S, B), with the subsample scale N/B
+        ell = jnp.mean(lik_particles, axis=0) / scale  # per element, unscaled
+        log_c = log_c / plate_size
+    logits = log_pi + jax.lax.stop_gradient(ell)[..., None] * inv_t - log_c
+    if probs is None:
+        log_r = jax.nn.log_softmax(logits, axis=-1)
+        r = jnp.exp(log_r)
+    else:
+        r = jnp.asarray(probs, dtype)
+        log_r = jnp.log(r)
+    # E_q[1/T_y]; eq. 18's r depends on the parameters only through stop_gradient(ell), so
+    # the parameter gradient is that of the tempered ELBO at inverse temperature beta
+    beta = jnp.sum(r * inv_t, axis=-1)
+    mean_t = jnp.sum(r / inv_t, axis=-1)
+    # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
+    const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
+    if plate_size is None:
+        value = jnp.mean(weights.tempered_log_w(beta)) + const
+    else:
+        lik = jnp.sum(lik_particles * beta, axis=-1)  # (S,)
+        value = jnp.mean(weights.log_prior + lik - weights.log_q) + scale * jnp.sum(const)
+    return value, TemperaturePosterior(r, mean_t, beta)
+
+
+class MulticanonicalELBO(ELBO):
+    r"""Multicanonical ELBO (eq. 13) with the closed-form optimal :math:`q(y)` (eq. 18).
+
+    Args:
+        ladder: a :class:`~numpyro_tempering.ladder.Ladder` holding :math:`\log C(T_m)` for
+            this model (``ladder.with_log_partition(model, key, *args, ...)``, with the same
+            ``sites``/``latent``/``exclude``). The paper's default is
+            ``Ladder.geometric(1.0, 10.0, 100)``.
+        plate: ``None`` for one global temperature, or the name of a plate for one
+            temperature per element (see the module docstring).
+        sites, latent, exclude: which sites form the tempered likelihood, as in
+            :class:`~numpyro_tempering.temper` (default: the observed sites).
+        num_particles: Monte Carlo particles (vectorised).
+
+    The loss is :math:`-\mathcal{L}_M` at :math:`q(y) = r^*`. A ladder with only
+    :math:`T = 1` and :math:`\log C(1) = 0` gives exactly
+    :class:`~numpyro.infer.Trace_ELBO` (value and gradient, same key). If the ladder
+    records the sizes it was computed for, a model of different sizes (plate sizes,
+    tempered sites, their shapes) is an error.
+
+    :math:`q(y)` is the exact maximiser at the *current* parameters at every step, including
+    the first. (The paper's Algorithm 1 starts from a uniform :math:`q(y)` and updates it
+    after each global step, i.e. one step behind; the closed form needs no initial value.)
+
+    Example:
+        >>> import jax, jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
+        >>> from numpyro.infer import SVI
+        >>> from numpyro.infer.autoguide import AutoNormal
+        >>> from numpyro_tempering.ladder import Ladder
+        >>> from numpyro_tempering.objectives.multicanonical import (
+        ...     MulticanonicalELBO, record_temperatures, temperature_history)
+        >>> def model(x):
+        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        ...     with numpyro.plate("data", x.shape[0]):
+        ...         numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+        >>> x = jnp.linspace(-1.0, 3.0, 20)
+        >>> ladder = Ladder.geometric(1.0, 10.0, 10).with_log_partition(
+        ...     model, jax.random.PRNGKey(0), x)
+        >>> svi = SVI(record_temperatures(model, ladder, 300), AutoNormal(model),
+        ...           optax.adam(0.05), MulticanonicalELBO(ladder))
+        >>> result = svi.run(jax.random.PRNGKey(1), 300, x, progress_bar=False)
+        >>> hist = temperature_history(result)
+        >>> hist.probs.shape, bool(hist.mean_temperature[-1] < hist.mean_temperature[0])
+        ((300, 10), True)
+    """
+
+    can_infer_discrete = False
+
+    def __init__(
+        self,
+        ladder: Ladder,
+        *,
+        plate: str | None = None,
+        sites: str | Collection[str] | Callable | None = None,
+        latent: str | Collection[str] = (),
+        exclude: str | Collection[str] = (),
+        num_particles: int = 1,
+    ) -> None:
+        if not isinstance(ladder, Ladder):
+            raise TypeError(f"`ladder` must be a Ladder, got {type(ladder).__name__}.")
+        ladder.require_log_partition()
+        if plate is not None and not isinstance(plate, str):
+            raise TypeError(f"`plate` must be a plate name (str) or None, got {plate!r}.")
+        self.ladder = ladder
+        self.plate = plate
+        self._selection = dict(sites=sites, latent=latent, exclude=exclude)
+        self._sizes_cache: dict[Any, ModelSizes] = {}
+        super().__init__(num_particles=num_particles)
+
+    def tempered_model(self, model: Callable) -> Callable:
+        """The model with its likelihood sites marked (``temper(model, 1.0, ...)``)."""
+        return temper(model, 1.0, **self._selection)
+
+    # -- size checks ----------------------------------------------------------------------
+    def model_sizes(self, model: Callable, *args: Any, **kwargs: Any) -> ModelSizes:
+        """Sizes of ``model`` (checked against the ladder's); cached per model and shapes."""
+        signature = jax.tree.map(
+            lambda x: (jnp.shape(x), jnp.result_type(x)) if hasattr(x, "shape") else x,
+            (args, kwargs),
+        )
+        try:
+            key = (id(model), repr(signature))
+        except Exception:  # pragma: no cover - unrepresentable arguments: no caching
+            key = None
+        if key is not None and key in self._sizes_cache:
+            return self._sizes_cache[key]
+        tr = trace(seed(self.tempered_model(model), 0)).get_trace(*args, **kwargs)
+        sizes = _sizes_from_trace(tr)
+        if key is not None:
+            self._sizes_cache[key] = sizes
+        return sizes
+
+    def _plate_size(self, model: Callable, args: tuple, kwargs: dict) -> int | None:
+        sizes = self.model_sizes(model, *args, **kwargs)
+        self.ladder.check_sizes(sizes)
+        if self.plate is None:
+            return None
+        return sizes.plate_size(self.plate)
+
+    # -- evaluation -----------------------------------------------------------------------
+    def _evaluate(
+        self, rng_key, param_map, model, guide, args, kwargs
+    ) -> tuple[jax.Array, TemperaturePosterior, dict | None]:
+        plate_size = self._plate_size(model, args, kwargs)
+        weights = log_weights(
+            rng_key,
+            param_map,
+            self.tempered_model(model),
+            guide,
+            args,
+            kwargs,
+            num_particles=self.num_particles,
+            plate=self.plate,
+        )
+        value, posterior = multicanonical_elbo(weights, self.ladder, plate_size)
+        return value, posterior, weights.mutable_state
+
+    def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
+        value, posterior, state = self._evaluate(rng_key, param_map, model, guide, args, kwargs)
+        if state is not None and RECORD in state:
+            state = {**state, RECORD: _record(state[RECORD], posterior)}
+        return {"loss": -value, "mutable_state": state}
+
+    def temperature_posterior(
+        self, rng_key: jax.Array, params: dict, model: Callable, guide: Callable, *args, **kwargs
+    ) -> TemperaturePosterior:
+        """:math:`q(y)` (eq. 18) at ``params`` (e.g. ``svi.get_params(state)``), estimated
+        with this objective's particles and key ``rng_key``."""
+        return self._evaluate(rng_key, params, model, guide, args, kwargs)[1]
+
+    def temperature_trajectory(
+        self,
+        rng_key: jax.Array,
+        params_history: Sequence[dict] | dict,
+        model: Callable,
+        guide: Callable,
+        *args: Any,
+        **kwargs: Any,
+    ) -> TemperaturePosterior:
+        """:meth:`temperature_posterior` along saved parameters (a list of param dicts, or
+        one dict of arrays with a leading step axis), with the same key at every step.
+        Returns arrays with a leading step axis."""
+        if not isinstance(params_history, dict):
+            params_history = jax.tree.map(lambda *xs: jnp.stack(xs), *params_history)
+        return jax.vmap(
+            lambda p: self.temperature_posterior(rng_key, p, model, guide, *args, **kwargs)
+        )(params_history)
+
+
+# ---------------------------------------------------------------------------------------
+# Recording the trajectory in SVI's mutable state
+# ---------------------------------------------------------------------------------------
+
+
+class TemperatureHistory(NamedTuple):
+    """Per-step :math:`q(y)` (``(steps, M)``) and :math:`\\mathbb{E}_q[T]` (``(steps,)``)."""
+
+    probs: jax.Array
+    mean_temperature: jax.Array
+
+
+def record_temperatures(
+    model: Callable, ladder: Ladder, num_steps: int, *, name: str = RECORD
+) -> Callable:
+    """Wrap ``model`` so that SVI with :class:`MulticanonicalELBO` records q(y) per step.
+
+    The wrapper adds a ``numpyro.mutable`` site ``name`` holding ``{"step", "probs"
+    (num_steps, M), "mean_temperature" (num_steps,)}``; the objective writes row ``step``
+    at every update (rows beyond ``num_steps`` are dropped). Give the *wrapped* model to
+    SVI and the plain one to the guide. For a local temperature the row is the average of
+    q(y_n) and of E[T_n] over the minibatch. Read it with :func:`temperature_history`.
+    Other objectives leave the record untouched.
+    """
+    if int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
+    m = ladder.num_temperatures
+    dtype = jnp.result_type(float)
+
+    @functools.wraps(model)
+    def recorded(*args, **kwargs):
+        mutable(
+            name,
+            {
+                "step": jnp.zeros((), jnp.int32),
+                "probs": jnp.full((int(num_steps), m), jnp.nan, dtype),
+                "mean_temperature": jnp.full((int(num_steps),), jnp.nan, dtype),
+            },
+        )
+        return model(*args, **kwargs)
+
+    return recorded
+
+
+def _record(record: dict, posterior: TemperaturePosterior) -> dict:
+    probs, mean_t = posterior.probs, posterior.mean_temperature
+    if probs.ndim > 1:  # local temperature: minibatch average
+        probs, mean_t = probs.mean(0), mean_t.mean()
+    step = record["step"]
+    return {
+        "step": step + 1,
+        "probs": record["probs"].at[step].set(probs.astype(record["probs"].dtype), mode="drop"),
+        "mean_temperature": record["mean_temperature"]
+        .at[step]
+        .set(mean_t.astype(record["mean_temperature"].dtype), mode="drop"),
+    }
+
+
+def temperature_history(result: Any, *, name: str = RECORD) -> TemperatureHistory:
+    """The recorded trajectory from an ``SVIRunResult``, ``SVIState`` or mutable-state dict,
+    trimmed to the steps taken. The last row is the final :math:`q(y)`."""
+    state = getattr(result, "state", result)
+    state = getattr(state, "mutable_state", state)
+    if not isinstance(state, dict) or name not in state:
+        raise ValueError(
+            f"no '{name}' record in the SVI state: wrap the model given to SVI with "
+            "record_temperatures(model, ladder, num_steps)."
+        )
+    rec = state[name]
+    n = min(int(rec["step"]), rec["probs"].shape[0])
+    return TemperatureHistory(rec["probs"][:n], rec["mean_temperature"][:n])
