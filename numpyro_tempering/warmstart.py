@@ -1,0 +1,112 @@
+r"""Warm-start helpers: MAP point initialisation and a short ELBO fit.
+
+Upper-bound objectives (CUBO / :math:`\chi^2`, KLpq, tempered bounds) are notoriously
+sensitive to initialisation: appendix A and Tab. 1-2 of the chi-square upper-bounds
+paper show cold-started CUBO fits diverging or reporting "bounds" below the true
+evidence, while *warm-started* fits, whose mean is set to a point estimate of the
+latent (sec. "Reliability of Upper Bound Estimation"), behave far better. These
+helpers provide the two standard warm starts using stock NumPyro machinery:
+
+* :func:`map_init` -- MAP estimate :math:`\hat z = \arg\max_z \log p(z, D)` (in the
+  constrained space) with :class:`~numpyro.infer.autoguide.AutoDelta`; pass it to any
+  AutoGuide as ``init_loc_fn=init_to_value(values=map_init(...))``.
+* :func:`elbo_init` -- a short :class:`~numpyro.infer.Trace_ELBO` fit of the *same*
+  guide; pass the result as ``svi.init(..., init_params=params)`` or
+  ``svi.run(..., init_params=params)`` of the upper-bound SVI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoDelta, AutoGuide
+from numpyro.infer.initialization import init_to_median
+
+__all__ = ["elbo_init", "map_init"]
+
+Array = jax.Array
+
+
+def map_init(
+    model: Callable,
+    *args: Any,
+    key: Array,
+    num_steps: int = 1000,
+    optim: Any = None,
+    init_loc_fn: Callable = init_to_median,
+    **kwargs: Any,
+) -> dict[str, Array]:
+    r"""Maximum a posteriori values of all continuous latent sites of ``model``.
+
+    Fits :class:`~numpyro.infer.autoguide.AutoDelta` with
+    :class:`~numpyro.infer.Trace_ELBO`; for a point-mass guide the ELBO is
+    :math:`\log p(\hat z, D)`, so this is gradient ascent on the log joint density in
+    the *constrained* space (e.g. the mode :math:`(\alpha_k - 1)/(\sum_j\alpha_j - K)` of
+    a Dirichlet posterior :math:`\mathrm{Dir}(\alpha)`, not the mode in logit space).
+
+    :param model: NumPyro model.
+    :param args: positional arguments of the model.
+    :param key: JAX PRNG key (keyword-only).
+    :param num_steps: number of optimisation steps.
+    :param optim: optax or NumPyro optimiser; default ``optax.adam(0.02)``.
+    :param init_loc_fn: init strategy of the AutoDelta.
+    :param kwargs: keyword arguments of the model (must not be named ``key``,
+        ``num_steps``, ``optim`` or ``init_loc_fn``).
+    :return: dict site name -> constrained MAP value, ready for
+        ``init_to_value(values=...)``.
+
+    >>> from numpyro.infer.initialization import init_to_value
+    >>> values = map_init(model, data, key=random.PRNGKey(0))  # doctest: +SKIP
+    >>> guide = AutoDirichlet(model, init_loc_fn=init_to_value(values=values))  # doctest: +SKIP
+    """
+    guide = AutoDelta(model, init_loc_fn=init_loc_fn)
+    optim = optax.adam(0.02) if optim is None else optim
+    svi = SVI(model, guide, optim, Trace_ELBO())
+    result = svi.run(key, num_steps, *args, progress_bar=False, **kwargs)
+    return guide.median(result.params)
+
+
+def elbo_init(
+    model: Callable,
+    guide: AutoGuide | Callable,
+    *args: Any,
+    key: Array,
+    num_steps: int = 1000,
+    optim: Any = None,
+    num_particles: int = 1,
+    init_params: dict[str, Array] | None = None,
+    **kwargs: Any,
+) -> dict[str, Array]:
+    r"""Parameters of ``guide`` after a short :math:`\mathrm{ELBO}` fit.
+
+    Runs ``num_steps`` of :class:`~numpyro.infer.SVI` with
+    :class:`~numpyro.infer.Trace_ELBO` (``num_particles`` samples), maximising
+    :math:`\mathbb{E}_q[\log p(z, D) - \log q(z)]`, i.e. minimising
+    :math:`\mathrm{KL}(q\,\|\,p(\cdot\mid D))`. The returned (constrained) parameters
+    are accepted by ``svi.init(..., init_params=params)`` and
+    ``svi.run(..., init_params=params)`` of any SVI using the same ``guide`` -- the
+    warm start recommended before fitting an upper bound such as the CUBO.
+
+    :param model: NumPyro model.
+    :param guide: guide whose parameters are fitted (typically an AutoGuide).
+    :param args: positional arguments of the model / guide.
+    :param key: JAX PRNG key (keyword-only).
+    :param num_steps: number of SVI steps.
+    :param optim: optax or NumPyro optimiser; default ``optax.adam(0.01)``.
+    :param num_particles: Monte Carlo samples per ELBO gradient.
+    :param init_params: optional starting parameters (e.g. from a previous call).
+    :param kwargs: keyword arguments of the model / guide.
+    :return: dict param name -> constrained value.
+
+    >>> params = elbo_init(model, guide, data, key=random.PRNGKey(0))  # doctest: +SKIP
+    >>> svi = SVI(model, guide, optax.adam(1e-3), my_upper_bound)  # doctest: +SKIP
+    >>> svi.run(random.PRNGKey(1), 500, data, init_params=params)  # doctest: +SKIP
+    """
+    optim = optax.adam(0.01) if optim is None else optim
+    svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles))
+    result = svi.run(key, num_steps, *args, progress_bar=False, init_params=init_params, **kwargs)
+    return result.params
