@@ -1,0 +1,939 @@
+"""Tests for numpyro_tempering.partition (tempered log-normalisers and tempered laws).
+
+References are computed independently of the implementation: scipy quadrature / brute-force
+sums over scipy.stats log-densities, the Beta-function identity with scipy.special, and a
+brute-force 2-D grid for a correlated Gaussian.
+"""
+
+from __future__ import annotations
+
+import doctest
+import itertools
+import math
+import warnings
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro.distributions as npd
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from numpy.testing import assert_allclose
+from numpyro.distributions.distribution import validation_enabled
+from scipy import integrate, special, stats
+
+from numpyro_tempering import partition
+from numpyro_tempering.partition import (
+    TemperedDistribution,
+    TemperedResult,
+    register_tempered,
+    registered_types,
+    tempered,
+    tempered_distribution,
+    tempered_log_normalizer,
+    tempered_multinomial_exact,
+)
+
+x64 = partial(jax.enable_x64, True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _float64_by_default():
+    """Exact comparisons run in float64 (``test_float32_and_float64`` switches back).
+
+    NumPyro's argument validation is switched off here to save eager compilations;
+    ``test_with_numpyro_validation`` runs the public API with it on.
+    """
+    with x64(), validation_enabled(False):
+        yield
+
+
+TEMPS = [0.3, 0.7, 1.0, 2.5, 10.0]
+HYP = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# property tests parametrised by family (every family is exercised): fewer examples each
+HYP_PER_FAMILY = settings(HYP, max_examples=10)
+
+
+def log_quad(log_f, lo, hi, points=None):
+    """log of int_lo^hi exp(log_f(x)) dx with scipy.integrate.quad (rescaled by the max)."""
+    grid = np.linspace(max(lo, -50.0), min(hi, 50.0), 2001)[1:-1]
+    shift = np.max(log_f(grid))
+    # split at a few points so quad sees endpoint singularities on finite pieces
+    cuts = sorted({lo, hi, *(points or [])} | ({0.5, 1.0, 4.0} if lo == 0 else set()))
+    cuts = [c for c in cuts if lo <= c <= hi]
+    val = 0.0
+    for a, b in itertools.pairwise(cuts):
+        piece, _ = integrate.quad(
+            lambda x: np.exp(log_f(x) - shift), a, b, epsabs=0.0, epsrel=1e-11, limit=400
+        )
+        val += piece
+    return math.log(val) + shift
+
+
+def brute_log_sum(log_p, T):
+    return special.logsumexp(np.asarray(log_p, dtype=np.float64) / T)
+
+
+def compositions(n, k):
+    """All count vectors of length k summing to n."""
+    for bars in itertools.combinations(range(n + k - 1), k - 1):
+        edges = (-1, *bars, n + k - 1)
+        yield np.array([edges[i + 1] - edges[i] - 1 for i in range(k)])
+
+
+# ------------------------------------------------------------------------------------------
+# Continuous closed forms vs numerical integration
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_normal_vs_quad(T):
+    with x64():
+        loc, scale = 0.7, 1.3
+        got = float(tempered_log_normalizer(npd.Normal(loc, scale), T))
+    ref = log_quad(lambda x: stats.norm.logpdf(x, loc, scale) / T, -np.inf, np.inf)
+    assert_allclose(got, ref, rtol=1e-8, atol=1e-9)
+    # the paper's eq. 12 value (untempered normaliser) differs by (1 - 1/T)/2 log(2 pi s^2)
+    paper = 0.5 * math.log(T)
+    assert_allclose(got - paper, 0.5 * (1 - 1 / T) * math.log(2 * math.pi * scale**2))
+
+
+@pytest.mark.parametrize("T", TEMPS)
+@pytest.mark.parametrize("a", [0.8, 2.5])
+def test_gamma_vs_quad(T, a):
+    b = 1.7
+    if 1 + (a - 1) / T <= 0:
+        pytest.skip("improper (tested separately)")
+    with x64():
+        got = float(tempered_log_normalizer(npd.Gamma(a, b), T))
+    ref = log_quad(lambda x: stats.gamma.logpdf(x, a, scale=1 / b) / T, 0, np.inf)
+    assert_allclose(got, ref, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_exponential_and_chi2_vs_quad(T):
+    with x64():
+        got = float(tempered_log_normalizer(npd.Exponential(2.2), T))
+        chi2 = float(tempered_log_normalizer(npd.Chi2(3.0), T))  # subclass of Gamma
+    ref = log_quad(lambda x: stats.expon.logpdf(x, scale=1 / 2.2) / T, 0, np.inf)
+    assert_allclose(got, ref, rtol=1e-8, atol=1e-9)
+    ref = log_quad(lambda x: stats.chi2.logpdf(x, 3.0) / T, 0, np.inf)
+    assert_allclose(chi2, ref, rtol=1e-7, atol=1e-8)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_uniform(T):
+    with x64():
+        got = np.asarray(tempered_log_normalizer(npd.Uniform(-1.0, jnp.array([0.5, 3.0])), T))
+    widths = np.array([1.5, 4.0])
+    assert_allclose(got, np.log(widths * widths ** (-1 / T)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+@pytest.mark.parametrize("ab", [(0.9, 2.0), (3.0, 1.5), (5.0, 5.0)])
+def test_beta_vs_quad_and_beta_function(T, ab):
+    a, b = ab
+    at, bt = 1 + (a - 1) / T, 1 + (b - 1) / T
+    if min(at, bt) <= 0:
+        pytest.skip("improper")
+    with x64():
+        got = float(tempered_log_normalizer(npd.Beta(a, b), T))
+    ref = log_quad(lambda x: stats.beta.logpdf(x, a, b) / T, 0, 1, points=[0.5])
+    assert_allclose(got, ref, rtol=1e-7, atol=1e-8)
+    identity = special.betaln(at, bt) - special.betaln(a, b) / T
+    assert_allclose(got, identity, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_dirichlet_beta_identity(T):
+    alpha = np.array([1.5, 2.0, 3.5])
+    with x64():
+        got = float(tempered_log_normalizer(npd.Dirichlet(jnp.asarray(alpha)), T))
+        two = float(tempered_log_normalizer(npd.Dirichlet(jnp.array([1.5, 2.0])), T))
+        beta = float(tempered_log_normalizer(npd.Beta(1.5, 2.0), T))
+
+    def log_mv_beta(x):
+        return special.gammaln(x).sum() - special.gammaln(x.sum())
+
+    at = 1 + (alpha - 1) / T
+    assert_allclose(got, log_mv_beta(at) - log_mv_beta(alpha) / T, rtol=1e-12, atol=1e-12)
+    assert_allclose(two, beta, rtol=1e-12, atol=1e-12)  # K = 2 Dirichlet is a Beta
+
+
+def test_dirichlet_vs_simplex_quadrature():
+    alpha, T = np.array([1.5, 2.0, 3.5]), 2.0
+    with x64():
+        got = float(tempered_log_normalizer(npd.Dirichlet(jnp.asarray(alpha)), T))
+
+    log_norm = special.gammaln(alpha.sum()) - special.gammaln(alpha).sum()
+
+    def f(y, x):
+        z = 1.0 - x - y
+        if z <= 0:
+            return 0.0
+        log_p = log_norm + np.dot(alpha - 1, np.log([x, y, z]))
+        return math.exp(log_p / T)
+
+    val, _ = integrate.dblquad(f, 0, 1, 0, lambda x: 1 - x, epsabs=1e-12, epsrel=1e-10)
+    assert_allclose(got, math.log(val), rtol=1e-7)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_mvn_diagonal_is_product_of_normals(T):
+    loc = jnp.array([[0.1, -0.3, 2.0], [1.0, 0.0, -1.0]])
+    scale = jnp.array([0.5, 1.2, 3.0])
+    with x64():
+        mvn = npd.MultivariateNormal(loc, jnp.diag(scale**2))
+        got = tempered_log_normalizer(mvn, T)
+        ref = tempered_log_normalizer(npd.Normal(loc, scale).to_event(1), T)
+        ref2 = tempered_log_normalizer(npd.Normal(0.0, scale), T).sum()
+    assert got.shape == (2,)
+    assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+    assert_allclose(got, ref2, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_mvn_correlated_vs_grid(T):
+    mu = np.array([0.3, -0.2])
+    cov = np.array([[1.5, 0.6], [0.6, 0.8]])
+    with x64():
+        got = float(tempered_log_normalizer(npd.MultivariateNormal(mu, cov), T))
+        lowrank = npd.LowRankMultivariateNormal(
+            jnp.asarray(mu), jnp.array([[1.0], [0.6]]), jnp.array([0.5, 0.44])
+        )  # W W^T + diag(d) == cov
+        got_lr = float(tempered_log_normalizer(lowrank, T))
+    half = 9.0 * math.sqrt(T * 1.8)
+    g = np.linspace(-half, half, 401)
+    xx, yy = np.meshgrid(g + mu[0], g + mu[1], indexing="ij")
+    pts = np.stack([xx, yy], -1)
+    log_f = stats.multivariate_normal(mu, cov).logpdf(pts) / T
+    h = g[1] - g[0]
+    ref = special.logsumexp(log_f) + 2 * math.log(h)
+    assert_allclose(got, ref, rtol=1e-8, atol=1e-9)
+    assert_allclose(got_lr, got, rtol=1e-10, atol=1e-10)
+
+
+# ------------------------------------------------------------------------------------------
+# Discrete closed forms vs brute-force sums
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_bernoulli_and_categorical_vs_brute(T):
+    p = np.array([0.0, 0.2, 0.5, 0.97, 1.0])
+    probs = np.array([[0.2, 0.3, 0.5], [0.0, 0.25, 0.75]])
+    logits = np.array([[0.3, -1.0, 2.0], [5.0, 0.0, 0.0]])
+    with x64():
+        bp = np.asarray(tempered_log_normalizer(npd.Bernoulli(probs=jnp.asarray(p)), T))
+        bl = np.asarray(tempered_log_normalizer(npd.Bernoulli(logits=jnp.asarray(logits)), T))
+        cp = np.asarray(tempered_log_normalizer(npd.Categorical(probs=jnp.asarray(probs)), T))
+        cl = np.asarray(tempered_log_normalizer(npd.Categorical(logits=jnp.asarray(logits)), T))
+    with np.errstate(divide="ignore"):
+        ref_bp = [brute_log_sum(np.log([q, 1 - q]), T) for q in p]
+        ref_cp = [brute_log_sum(np.log(row), T) for row in probs]
+    sig = special.expit(logits)
+    ref_bl = np.vectorize(lambda s: brute_log_sum(np.log([s, 1 - s]), T))(sig)
+    ref_cl = [brute_log_sum(row - special.logsumexp(row), T) for row in logits]
+    assert_allclose(bp, ref_bp, rtol=1e-12, atol=1e-12)
+    assert_allclose(bl, ref_bl, rtol=1e-10, atol=1e-12)
+    assert_allclose(cp, ref_cp, rtol=1e-12, atol=1e-12)
+    assert_allclose(cl, ref_cl, rtol=1e-12, atol=1e-12)
+    # supplement eq. 14, one factor: log(pi^{1/T} + (1 - pi)^{1/T})
+    assert_allclose(bp[1], math.log(0.2 ** (1 / T) + 0.8 ** (1 / T)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_binomial_vs_brute(T):
+    n = np.array([0, 1, 3, 7, 20])
+    p = np.array([0.2, 0.5, 0.5, 0.9, 0.35])
+    with x64():
+        got_p = np.asarray(tempered_log_normalizer(npd.Binomial(jnp.asarray(n), probs=p), T))
+        got_l = np.asarray(
+            tempered_log_normalizer(npd.Binomial(jnp.asarray(n), logits=special.logit(p)), T)
+        )
+    ref = [
+        brute_log_sum(stats.binom.logpmf(np.arange(m + 1), m, q), T)
+        for m, q in zip(n, p, strict=True)
+    ]
+    assert_allclose(got_p, ref, rtol=1e-12, atol=1e-12)
+    assert_allclose(got_l, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_binomial_degenerate_probs():
+    with x64():
+        got = tempered_log_normalizer(npd.Binomial(5, probs=jnp.array([0.0, 1.0])), 3.0)
+    assert_allclose(got, [0.0, 0.0], atol=1e-12)
+
+
+@pytest.mark.parametrize("T", TEMPS)
+def test_poisson_vs_brute(T):
+    rate = np.array([0.0, 0.3, 4.0, 50.0, 300.0])
+    with x64():
+        got = np.asarray(tempered_log_normalizer(npd.Poisson(jnp.asarray(rate)), T))
+    k = np.arange(20000)
+    ref = [0.0] + [brute_log_sum(stats.poisson.logpmf(k, r), T) for r in rate[1:]]
+    assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("T", [0.5, 1.0, 3.0])
+def test_multinomial_per_trial_and_exact_vs_enumeration(T):
+    probs = np.array([0.2, 0.3, 0.5])
+    n = 4
+    xs = list(compositions(n, 3))
+    log_pmf = np.array([stats.multinomial.logpmf(x, n, probs) for x in xs])
+    log_coef = np.array(
+        [stats.multinomial.logpmf(x, n, np.ones(3) / 3) + n * np.log(3) for x in xs]
+    )
+    with x64():
+        d = npd.Multinomial(n, probs=jnp.asarray(probs))
+        per_trial = float(tempered_log_normalizer(d, T))
+        per_trial_logits = float(
+            tempered_log_normalizer(npd.Multinomial(n, logits=jnp.log(probs) + 1.0), T)
+        )
+        exact = float(tempered_multinomial_exact(d, jnp.asarray(T)).log_normalizer)
+    # per trial: coefficient untempered, sum_x binom(n, x) prod p^{x/T} = (sum p^{1/T})^n
+    ref_per_trial = special.logsumexp(log_coef + (log_pmf - log_coef) / T)
+    assert_allclose(per_trial, ref_per_trial, rtol=1e-12, atol=1e-12)
+    assert_allclose(per_trial, n * math.log(np.sum(probs ** (1 / T))), rtol=1e-12, atol=1e-12)
+    assert_allclose(per_trial_logits, per_trial, rtol=1e-12, atol=1e-12)
+    assert_allclose(exact, brute_log_sum(log_pmf, T), rtol=1e-12, atol=1e-12)
+    if T != 1.0:
+        assert abs(exact - per_trial) > 1e-3  # the two conventions genuinely differ
+
+
+def test_multinomial_exact_two_categories_is_binomial():
+    n = np.array([0, 3, 7])
+    p = np.array([0.3, 0.7, 0.1])
+    with x64():
+        multi = npd.Multinomial(jnp.asarray(n), probs=jnp.stack([jnp.asarray(p), 1 - p], -1))
+        T = jnp.array([[0.5], [2.0]])
+        exact = tempered_multinomial_exact(multi, T).log_normalizer
+        binom = tempered_log_normalizer(npd.Binomial(jnp.asarray(n), probs=jnp.asarray(p)), T)
+    assert exact.shape == (2, 3)
+    assert_allclose(exact, binom, rtol=1e-11, atol=1e-12)
+
+
+def test_multinomial_tempered_law_and_coefficient():
+    probs = jnp.array([0.2, 0.3, 0.5])
+    T = 2.0
+    with x64():
+        d = npd.Multinomial(4, probs=probs)
+        res = tempered(d, T)
+        xs = jnp.asarray(np.stack(list(compositions(4, 3))))
+        lp_t = res.distribution.log_prob(xs)
+        log_coef = d.log_prob(xs) - jnp.sum(xs * jnp.log(probs), -1)
+        expected = d.log_prob(xs) / T - res.log_normalizer + (1 - 1 / T) * log_coef
+    assert_allclose(lp_t, expected, rtol=1e-12, atol=1e-12)
+    assert_allclose(jnp.sum(jnp.exp(lp_t)), 1.0, rtol=1e-12)
+
+
+def test_delta_and_unit():
+    with x64():
+        delta = npd.Delta(jnp.zeros((3, 2)), jnp.array([0.0, 1.0, -2.0]), event_dim=1)
+        unit = npd.Unit(jnp.array([0.5, -3.0]))
+        T = jnp.array([[0.5], [4.0]])
+        ld = tempered_log_normalizer(delta, T)
+        lu = tempered_log_normalizer(unit, T)
+        tu = tempered_distribution(unit, T)
+        td = tempered_distribution(delta, T)
+        assert_allclose(ld, jnp.array([0.0, 1.0, -2.0]) / T)
+        assert_allclose(lu, jnp.array([0.5, -3.0]) / T)
+        assert tu.batch_shape == (2, 2)
+        assert_allclose(tu.log_prob(jnp.zeros((2, 2, 0))), jnp.zeros((2, 2)))
+        assert_allclose(td.log_prob(jnp.zeros((3, 2))), jnp.zeros((2, 3)))
+        assert_allclose(tempered_log_normalizer(npd.Delta(1.0), 3.0), 0.0)
+
+
+# ------------------------------------------------------------------------------------------
+# Wrappers
+# ------------------------------------------------------------------------------------------
+
+
+def test_independent_expanded_masked():
+    T = jnp.array([[0.5], [1.0], [3.0]])
+    loc, scale = jnp.zeros((4, 5)), jnp.linspace(0.5, 2.0, 5)
+    with x64():
+        base = tempered_log_normalizer(npd.Normal(loc, scale), T[..., None])  # (3, 4, 5)
+        ind = tempered(npd.Normal(loc, scale).to_event(1), T)
+        assert ind.log_normalizer.shape == (3, 4)
+        assert_allclose(ind.log_normalizer, base.sum(-1), rtol=1e-12)
+        assert ind.distribution.event_shape == (5,)
+        x = jnp.ones((4, 5))
+        assert_allclose(
+            ind.distribution.log_prob(x),
+            npd.Normal(loc, scale).to_event(1).log_prob(x) / T - ind.log_normalizer,
+            rtol=1e-12,
+        )
+
+        exp = tempered(npd.Gamma(2.0, 1.0).expand([4]), T)
+        assert exp.log_normalizer.shape == (3, 4)
+        ref = tempered_log_normalizer(npd.Gamma(2.0, 1.0), T)
+        assert_allclose(exp.log_normalizer, jnp.broadcast_to(ref, (3, 4)), rtol=1e-12)
+        assert exp.distribution.batch_shape == (3, 4)
+
+        mask = jnp.array([True, False, True, True])
+        msk = tempered(npd.Normal(loc[:, 0], 2.0).mask(mask), T)
+        full = tempered_log_normalizer(npd.Normal(loc[:, 0], 2.0), T)
+        assert_allclose(msk.log_normalizer, jnp.where(mask, full, 0.0), rtol=1e-12)
+        assert_allclose(msk.distribution.log_prob(jnp.ones(4))[:, 1], 0.0)
+        off = tempered_log_normalizer(npd.Normal(0.0, 2.0).mask(False), T)
+        assert_allclose(off, jnp.zeros((3, 1)))
+        on = tempered_log_normalizer(npd.Normal(0.0, 2.0).mask(True), T)
+        assert_allclose(on, tempered_log_normalizer(npd.Normal(0.0, 2.0), T))
+
+
+# ------------------------------------------------------------------------------------------
+# Property tests (hypothesis): T = 1, log_prob identity, normalisation
+# ------------------------------------------------------------------------------------------
+
+FAMILIES = [
+    "normal",
+    "mvn",
+    "gamma",
+    "exponential",
+    "beta",
+    "dirichlet",
+    "bernoulli",
+    "bernoulli_logits",
+    "categorical",
+    "categorical_logits",
+    "binomial",
+    "poisson",
+    "uniform",
+]
+pos = st.floats(0.3, 6.0)
+
+
+@st.composite
+def family_params(draw, names=tuple(FAMILIES)):
+    name = draw(st.sampled_from(names))
+    shape = (2,)  # fixed shapes: jit caches are reused across examples
+    arr = lambda s, lo, hi: np.asarray(  # noqa: E731
+        draw(st.lists(st.floats(lo, hi), min_size=int(np.prod(s)), max_size=int(np.prod(s))))
+    ).reshape(s)
+    if name in ("normal",):
+        params = (arr(shape, -3, 3), arr(shape, 0.2, 4))
+    elif name == "mvn":
+        a = arr((2, 2), -1, 1)
+        params = (arr((2,), -2, 2), a @ a.T + np.eye(2) * draw(st.floats(0.2, 2.0)))
+    elif name in ("gamma", "beta"):
+        params = (arr(shape, 0.3, 6), arr(shape, 0.3, 6))
+    elif name == "exponential":
+        params = (arr(shape, 0.1, 5),)
+    elif name == "dirichlet":
+        params = (arr(shape + (3,), 0.3, 6),)
+    elif name in ("bernoulli", "binomial"):
+        params = (arr(shape, 0.01, 0.99), np.asarray(draw(st.integers(0, 12))))
+    elif name in ("bernoulli_logits", "categorical_logits"):
+        params = (arr(shape + ((3,) if name.startswith("cat") else ()), -4, 4),)
+    elif name == "categorical":
+        w = arr(shape + (4,), 0.01, 1.0)
+        params = (w / w.sum(-1, keepdims=True),)
+    elif name == "poisson":
+        params = (arr(shape, 0.05, 40.0),)  # rate 0 is covered by test_poisson_vs_brute
+    else:  # uniform
+        lo = arr(shape, -2, 1)
+        params = (lo, lo + arr(shape, 0.1, 4))
+    return name, params, arr((3, 2, 3), 0.001, 0.999)
+
+
+def support_points(name, params, u):
+    """Three batch-shaped points in the support of family ``name`` from uniforms ``u``."""
+    u2 = u[..., 0]  # (3, 2)
+    if name == "normal":
+        return params[0] + params[1] * (8 * u2 - 4)
+    if name == "mvn":
+        return params[0] + (6 * u2 - 3)  # (3, 2) = 3 points of the 2-d event
+    if name in ("gamma", "exponential"):
+        return 10 * u2
+    if name == "beta":
+        return u2
+    if name == "dirichlet":
+        return u / u.sum(-1, keepdims=True)
+    if name.startswith("bernoulli"):
+        return (u2 > 0.5).astype(float)
+    if name.startswith("categorical"):
+        return np.floor(u2 * params[0].shape[-1]).astype(np.int64)
+    if name == "binomial":
+        return np.floor(u2 * (params[1] + 1))
+    if name == "poisson":
+        return np.floor(u2 * 80)
+    return params[0] + (params[1] - params[0]) * u2  # uniform
+
+
+def build(name, params):
+    p = [jnp.asarray(x) for x in params]
+    return {
+        "normal": lambda: npd.Normal(*p),
+        "mvn": lambda: npd.MultivariateNormal(p[0], p[1]),
+        "gamma": lambda: npd.Gamma(*p),
+        "exponential": lambda: npd.Exponential(*p),
+        "beta": lambda: npd.Beta(*p),
+        "dirichlet": lambda: npd.Dirichlet(*p),
+        "bernoulli": lambda: npd.Bernoulli(probs=p[0]),
+        "bernoulli_logits": lambda: npd.Bernoulli(logits=p[0]),
+        "categorical": lambda: npd.Categorical(probs=p[0]),
+        "categorical_logits": lambda: npd.Categorical(logits=p[0]),
+        "binomial": lambda: npd.Binomial(p[1], probs=p[0]),
+        "poisson": lambda: npd.Poisson(*p),
+        "uniform": lambda: npd.Uniform(*p),
+    }[name]()
+
+
+def min_concentration(name, params):
+    if name in ("gamma",):
+        return float(np.min(params[0]))
+    if name in ("beta", "dirichlet"):
+        return float(min(np.min(q) for q in params))
+    return 1.0
+
+
+temperatures = st.floats(0.2, 20.0)
+
+
+@partial(jax.jit, static_argnums=0)
+def _identity_terms(name, params, T, x):
+    """log Z, log p_T(x) and log p(x)/T - log Z, in one compiled function per family."""
+    d = build(name, params)
+    res = tempered(d, T)
+    lhs = res.distribution.log_prob(x)
+    return res.log_normalizer, lhs, d.log_prob(x) / T - res.log_normalizer
+
+
+def _check_identity(lhs, rhs):
+    lhs, rhs = np.asarray(lhs), np.asarray(rhs)
+    ok = np.isfinite(rhs)
+    assert ok.any()
+    assert_allclose(lhs[ok], rhs[ok], rtol=1e-9, atol=1e-9)
+    assert np.array_equal(np.isfinite(lhs), ok)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@HYP_PER_FAMILY
+@given(data=st.data())
+def test_temperature_one_is_identity(family, data):
+    name, params, u = data.draw(family_params(names=(family,)))
+    x = support_points(name, params, u)
+    log_z, lhs, rhs = _identity_terms(name, params, 1.0, x)
+    assert log_z.shape == build(name, params).batch_shape
+    assert_allclose(log_z, 0.0, atol=1e-10)
+    _check_identity(lhs, rhs)  # at T = 1: log p_T(x) == log p(x) - 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@HYP_PER_FAMILY
+@given(data=st.data(), T=temperatures)
+def test_tempered_log_prob_identity(family, data, T):
+    name, params, u = data.draw(family_params(names=(family,)))
+    assume(1 + (min_concentration(name, params) - 1) / T > 1e-3)
+    x = support_points(name, params, u)
+    log_z, lhs, rhs = _identity_terms(name, params, T, x)
+    _check_identity(lhs, rhs)
+    eager = tempered_log_normalizer(build(name, params), T)  # concrete path agrees with jit
+    assert_allclose(eager, log_z, rtol=1e-12, atol=1e-12)
+
+
+DISCRETE = ["bernoulli", "bernoulli_logits", "categorical", "categorical_logits", "binomial"]
+
+
+@HYP
+@given(family_params(names=(*DISCRETE, "poisson")), temperatures)
+def test_tempered_law_sums_to_one(fp, T):
+    name, params, _ = fp
+    d = build(name, params)
+    td = tempered_distribution(d, T)
+    if name == "poisson":
+        support = jnp.arange(6000.0)
+    elif name == "binomial":  # fixed shape (n <= 12); k > n has probability 0
+        support = jnp.arange(13.0)
+    else:
+        support = d.enumerate_support(expand=False)[:, 0]
+    total = _total_mass(td, support)
+    assert_allclose(total, 1.0, rtol=1e-9)
+
+
+@jax.jit
+def _total_mass(td, support):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # out-of-support k for the Binomial
+        return jnp.sum(jnp.exp(td.log_prob(support[:, None])), axis=0)
+
+
+@pytest.mark.parametrize(
+    "d",
+    [
+        npd.Normal(0.4, 1.5),
+        npd.Gamma(1.7, 0.6),
+        npd.Exponential(1.3),
+        npd.Beta(2.0, 0.9),
+        npd.Uniform(-1.0, 2.0),
+    ],
+    ids=lambda d: type(d).__name__,
+)
+@pytest.mark.parametrize("T", [0.5, 4.0])
+def test_continuous_tempered_law_integrates_to_one(d, T):
+    with x64():
+        td = tempered_distribution(d, T)
+        log_prob = jax.jit(td.log_prob)
+        lo, hi = (float(b) for b in _bounds(d))
+        val, _ = integrate.quad(
+            lambda x: float(jnp.exp(log_prob(x))), lo, hi, epsrel=1e-10, limit=400
+        )
+    assert_allclose(val, 1.0, rtol=1e-7)
+
+
+def _bounds(d):
+    support = d.support
+    lo = getattr(support, "lower_bound", -np.inf)
+    hi = getattr(support, "upper_bound", np.inf)
+    return lo, hi
+
+
+# ------------------------------------------------------------------------------------------
+# Broadcasting, dtypes, jit
+# ------------------------------------------------------------------------------------------
+
+LADDER_DISTS = {  # name: (distribution with batch (3,), a point of its support)
+    "normal": (
+        lambda: npd.Normal(jnp.array([0.0, 1.0, -1.0]), jnp.array([0.5, 1.0, 2.0])),
+        [0.3, 2.0, -4.0],
+    ),
+    "gamma": (lambda: npd.Gamma(jnp.array([1.5, 2.0, 7.0]), 2.0), [0.3, 2.0, 4.0]),
+    "poisson": (lambda: npd.Poisson(jnp.array([0.5, 3.0, 12.0])), [0, 4, 30]),
+    "binomial": (
+        lambda: npd.Binomial(jnp.array([2, 5, 9]), probs=jnp.array([0.1, 0.5, 0.8])),
+        [2, 0, 7],
+    ),
+    "mvn": (
+        lambda: npd.MultivariateNormal(jnp.zeros((3, 2)), jnp.array([[2.0, 0.5], [0.5, 1]])),
+        [[0.1, -1.0], [2.0, 0.0], [0.0, 0.0]],
+    ),
+    "dirichlet": (
+        lambda: npd.Dirichlet(jnp.array([[1.0, 2.0], [3.0, 3.0], [1.5, 8.0]])),
+        [[0.2, 0.8], [0.5, 0.5], [0.9, 0.1]],
+    ),
+    "multinomial": (
+        lambda: npd.Multinomial(3, probs=jnp.array([[0.2, 0.8], [0.5, 0.5], [0.1, 0.9]])),
+        [[3, 0], [1, 2], [0, 3]],
+    ),
+}
+
+
+@partial(jax.jit, static_argnums=0)
+def _ladder_terms(name, Ts, x):
+    d = LADDER_DISTS[name][0]()
+    ladder = tempered(d, Ts[:, None])
+    base_lp = d.log_prob(x)
+    if name == "multinomial":  # per-trial: the coefficient is not tempered
+        log_coef = base_lp - jnp.sum(x * jnp.log(d.probs), -1)
+    else:
+        log_coef = jnp.zeros_like(base_lp)
+    expected = (base_lp - log_coef) / Ts[:, None] + log_coef - ladder.log_normalizer
+    return ladder, ladder.distribution.log_prob(x), expected
+
+
+@pytest.mark.parametrize("name", ["binomial", "dirichlet", "multinomial", "mvn", "poisson"])
+def test_temperature_ladder_broadcasting(name):
+    Ts = np.geomspace(0.5, 10.0, 100)
+    ladder, lp, expected = _ladder_terms(name, Ts, jnp.asarray(LADDER_DISTS[name][1]))
+    assert ladder.log_normalizer.shape == (100, 3)
+    assert ladder.distribution.batch_shape == (100, 3)
+    assert_allclose(lp, expected, rtol=1e-10, atol=1e-10)
+    # looping over scalar temperatures on the concrete (eager) path gives the same rows
+    d = LADDER_DISTS[name][0]()
+    looped = np.stack([np.asarray(tempered_log_normalizer(d, T)) for T in Ts[::33]])
+    assert_allclose(ladder.log_normalizer[::33], looped, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["normal", "poisson", "mvn"])
+def test_vmap_over_temperatures_matches_ladder(name):
+    Ts = jnp.geomspace(0.5, 10.0, 100)
+    d = LADDER_DISTS[name][0]()
+    vmapped = jax.jit(jax.vmap(lambda t: tempered_log_normalizer(d, t)))(Ts)
+    assert_allclose(vmapped, tempered_log_normalizer(d, Ts[:, None]), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gamma", "poisson", "mvn"])
+def test_float32_and_float64(name):
+    T = np.array([0.5, 2.0, 10.0])[:, None]
+    with jax.enable_x64(False):
+        lz32 = tempered_log_normalizer(LADDER_DISTS[name][0](), T.astype(np.float32))
+        assert lz32.dtype == jnp.float32
+    with x64():
+        lz64 = tempered_log_normalizer(LADDER_DISTS[name][0](), T)
+        assert lz64.dtype == jnp.float64
+        weak = tempered_log_normalizer(
+            npd.Normal(jnp.zeros(2, jnp.float32), jnp.ones(2, jnp.float32)), 2.0
+        )
+        assert weak.dtype == jnp.float32  # Python scalars do not promote
+    assert_allclose(lz32, lz64, rtol=2e-5, atol=2e-5)
+
+
+def test_jit_with_traced_parameters_and_temperature():
+    f = jax.jit(
+        lambda r, p, t: (
+            tempered_log_normalizer(npd.Poisson(r), t),
+            tempered_log_normalizer(npd.Binomial(jnp.array([3, 6]), probs=p), t),
+            tempered_log_normalizer(npd.Gamma(r, 1.0), t),
+        )
+    )
+    with x64():
+        r, p, t = jnp.array([1.5, 4.0]), jnp.array([0.3, 0.6]), jnp.array([[0.5], [3.0]])
+        got = f(r, p, t)
+        eager = (
+            tempered_log_normalizer(npd.Poisson(r), t),
+            tempered_log_normalizer(npd.Binomial(jnp.array([3, 6]), probs=p), t),
+            tempered_log_normalizer(npd.Gamma(r, 1.0), t),
+        )
+        for a, b in zip(got, eager, strict=True):
+            assert a.shape == (2, 2)
+            assert_allclose(a, b, rtol=1e-12)
+        # invalid temperatures cannot raise under jit: nan; improper Gamma: +inf
+        bad = f(r, p, jnp.array([[-1.0], [jnp.inf]]))
+        assert all(np.isnan(np.asarray(b)).all() for b in bad)
+        improper = f(jnp.array([0.2, 4.0]), p, jnp.array([[0.5], [0.5]]))[2]
+        assert np.isposinf(improper[:, 0]).all() and np.isfinite(improper[:, 1]).all()
+
+
+def test_tempered_distribution_is_a_pytree_through_jit():
+    with x64():
+        make = jax.jit(lambda r, t: tempered_distribution(npd.Poisson(r), t))
+        td = make(jnp.array([2.0, 5.0]), 3.0)
+        assert isinstance(td, TemperedDistribution)
+        ref = tempered_distribution(npd.Poisson(jnp.array([2.0, 5.0])), 3.0)
+        assert_allclose(td.log_prob(jnp.array([1, 7])), ref.log_prob(jnp.array([1, 7])))
+        # the sampler survives flatten/unflatten (same shapes as the frequency test: one compile)
+        assert td.sample(jax.random.PRNGKey(0), (40000,)).shape == (40000, 2)
+
+
+# ------------------------------------------------------------------------------------------
+# Gradients of the series rules (custom_jvp) vs finite differences
+# ------------------------------------------------------------------------------------------
+
+
+def test_series_gradients_match_finite_differences():
+    pois = lambda r, t: tempered_log_normalizer(npd.Poisson(r), t)  # noqa: E731
+    binom = lambda p, t: tempered_log_normalizer(npd.Binomial(7, probs=p), t)  # noqa: E731
+    for fn, x0 in ((pois, 4.0), (binom, 0.3)):
+        value = fn  # eager: the series cores are jitted inside
+        grad = jax.jit(jax.grad(fn, argnums=(0, 1)))
+        for t0 in (0.5, 3.0):
+            gx, gt = grad(x0, t0)
+            fd_x = (value(x0 + 1e-5, t0) - value(x0 - 1e-5, t0)) / 2e-5
+            fd_t = (value(x0, t0 + 1e-5) - value(x0, t0 - 1e-5)) / 2e-5
+            assert_allclose((gx, gt), (fd_x, fd_t), rtol=1e-7)
+    # vector-valued with batch and ladder, through jit
+    ladder = jnp.array([[0.5], [4.0]])
+    total = lambda r: pois(r, ladder).sum()  # noqa: E731
+    rates = jnp.array([0.5, 3.0, 20.0])
+    g = jax.jit(jax.grad(total))(rates)
+    eye = jnp.eye(3) * 1e-5
+    fd = [(total(rates + e) - total(rates - e)) / 2e-5 for e in eye]
+    assert_allclose(g, fd, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling the non-named tempered laws
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: npd.Poisson(jnp.array([4.0, 0.7])),
+        lambda: npd.Binomial(jnp.array([6, 2]), probs=jnp.array([0.8, 0.3])),
+        lambda: npd.BetaBinomial(jnp.array([1.0, 2.0]), jnp.array([3.0, 0.5]), 6),
+    ],
+    ids=["poisson", "binomial", "enumerate"],
+)
+def test_sampling_frequencies_match_tempered_pmf(make):
+    T, n = 2.5, 40000
+    d = make()
+    fallback = "enumerate" if isinstance(d, npd.BetaBinomial) else None
+    td = tempered_distribution(d, T, fallback=fallback)
+    samples = np.asarray(td.sample(jax.random.PRNGKey(1), (n,)))
+    assert samples.shape == (n, 2)
+    n_k = 40 if isinstance(d, npd.Poisson) else 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # k > n is out of the Binomial support
+        pmf = np.exp(np.asarray(jax.jit(td.log_prob)(jnp.arange(n_k, dtype=float)[:, None])))
+    for j in range(2):
+        freq = np.bincount(samples[:, j], minlength=n_k) / n
+        assert freq.shape == (n_k,)  # no sample beyond the support / truncation
+        assert np.abs(freq - pmf[:, j]).max() < 0.012
+        assert_allclose(pmf[:, j].sum(), 1.0, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------
+# Numerical fallbacks
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [0.5, 1.0, 3.0, 10.0])
+def test_quadrature_fallback(T):
+    with x64():
+        logistic = float(tempered_log_normalizer(npd.Logistic(0.5, 2.0), T, fallback="quadrature"))
+        half = float(tempered_log_normalizer(npd.HalfNormal(1.5), T, fallback="quadrature"))
+        kum = float(tempered_log_normalizer(npd.Kumaraswamy(2.0, 3.0), T, fallback="quadrature"))
+        laplace = float(tempered_log_normalizer(npd.Laplace(1.0, 0.5), T, fallback="quadrature"))
+        # the rule itself on registered families vs their closed forms
+        for d in (npd.Normal(3.0, 0.2), npd.Gamma(0.9, 4.0), npd.Beta(0.8, 3.0)):
+            q = partition._quadrature_rule(d, jnp.asarray(T)).log_normalizer
+            assert_allclose(q, tempered_log_normalizer(d, T), rtol=1e-8, atol=1e-8)
+    ref = (1 - 1 / T) * math.log(2.0) + special.betaln(1 / T, 1 / T)
+    assert_allclose(logistic, ref, rtol=1e-10, atol=1e-12)
+    c = math.log(math.sqrt(2 / math.pi) / 1.5)
+    assert_allclose(half, (1 / T - 1) * c + 0.5 * math.log(T), rtol=1e-10, atol=1e-12)
+    ref = log_quad(lambda x: np.log(6.0 * x * (1 - x**2) ** 2) / T, 0, 1)
+    assert_allclose(kum, ref, rtol=1e-8, atol=1e-9)
+    assert_allclose(laplace, (1 - 1 / T) * math.log(1.0) + math.log(T), atol=1e-3)  # kink
+
+
+def test_quadrature_fallback_tempered_law_and_limits():
+    d = npd.Logistic(jnp.zeros(3), 1.0)
+    with x64():
+        res = tempered(d, jnp.array([[0.5], [2.0]]), fallback="quadrature")
+        assert res.log_normalizer.shape == (2, 3)
+        x = jnp.array([0.1, -2.0, 4.0])
+        assert_allclose(
+            res.distribution.log_prob(x),
+            d.log_prob(x) / jnp.array([[0.5], [2.0]]) - res.log_normalizer,
+            rtol=1e-12,
+        )
+        with pytest.raises(NotImplementedError, match="sampling"):
+            res.distribution.sample(jax.random.PRNGKey(0))
+        with pytest.raises(NotImplementedError, match="univariate"):
+            tempered_log_normalizer(
+                npd.MultivariateStudentT(3.0, jnp.zeros(2), jnp.eye(2)), 2.0, fallback="quadrature"
+            )
+        with pytest.raises(NotImplementedError, match="has_enumerate_support"):
+            tempered_log_normalizer(npd.Laplace(0.0, 1.0), 2.0, fallback="enumerate")
+        # Independent of an unregistered base passes the fallback through
+        ind = tempered_log_normalizer(
+            npd.Laplace(jnp.zeros(2), 1.0).to_event(1), 2.0, fallback="quadrature"
+        )
+        assert_allclose(ind, 2 * (0.5 * math.log(2.0) + math.log(2.0)), atol=1e-3)
+
+
+def test_enumerate_fallback():
+    Ts = jnp.array([[0.5], [2.0]])
+    got = tempered_log_normalizer(npd.DiscreteUniform(0, 4).expand([3]), Ts, fallback="enumerate")
+    assert got.shape == (2, 3)
+    assert_allclose(got, jnp.broadcast_to((1 - 1 / Ts) * np.log(5.0), (2, 3)), rtol=1e-12)
+    a, b, n = np.array([1.0, 2.0]), np.array([3.0, 0.5]), 6
+    d = npd.BetaBinomial(jnp.asarray(a), jnp.asarray(b), n)
+    res = tempered(d, Ts, fallback="enumerate")
+    k = np.arange(n + 1)
+    # numpyro's BetaBinomial log-pmf differs from scipy's by ~1e-6: temper numpyro's own
+    log_pmf = np.asarray(jax.jit(d.log_prob)(jnp.asarray(k, float)[:, None]))  # (n + 1, 2)
+    assert_allclose(log_pmf, stats.betabinom.logpmf(k[:, None], n, a, b), atol=1e-5)
+    for i, T in enumerate(np.asarray(Ts)[:, 0]):
+        ref = [brute_log_sum(log_pmf[:, j], T) for j in range(2)]
+        assert_allclose(res.log_normalizer[i], ref, rtol=1e-12)
+    lp = jax.jit(res.distribution.log_prob)(jnp.asarray(k, float)[:, None, None])  # (7, 2, 2)
+    assert_allclose(jnp.exp(lp).sum(0), 1.0, rtol=1e-12)
+    assert_allclose(lp[:, 0], log_pmf / 0.5 - res.log_normalizer[0], rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------
+# Errors and the registry
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, np.nan, np.inf, -np.inf, np.array([1.0, 0.0])])
+def test_invalid_temperature_raises(bad):
+    with pytest.raises(ValueError, match="temperature"):
+        tempered_log_normalizer(npd.Normal(0.0, 1.0), bad)
+    with pytest.raises(ValueError, match="temperature"):
+        tempered_distribution(npd.Poisson(1.0), bad)
+
+
+def test_invalid_temperature_type():
+    with pytest.raises(ValueError, match="temperature"):
+        tempered_log_normalizer(npd.Normal(0.0, 1.0), 1j)
+    with pytest.raises(TypeError, match="temperature"):
+        tempered_log_normalizer(npd.Normal(0.0, 1.0), npd.Normal(0.0, 1.0))
+    assert_allclose(tempered_log_normalizer(npd.Normal(0.0, 1.0), 1), 0.0)  # ints are fine
+    with pytest.raises(ValueError, match="temperature of shape"):
+        tempered_log_normalizer(npd.Normal(jnp.zeros(3), 1.0), jnp.ones(4))
+
+
+def test_unregistered_type_raises_with_names():
+    with pytest.raises(NotImplementedError, match="Laplace") as info:
+        tempered_log_normalizer(npd.Laplace(0.0, 1.0), 2.0)
+    assert "Normal" in str(info.value) and "fallback" in str(info.value)
+    with pytest.raises(NotImplementedError, match="StudentT"):
+        tempered_distribution(npd.StudentT(3.0).to_event(0).expand([2]), 2.0)
+    with pytest.raises(ValueError, match="fallback"):
+        tempered_log_normalizer(npd.Laplace(0.0, 1.0), 2.0, fallback="magic")
+
+
+@pytest.mark.parametrize(
+    "d, T",
+    [
+        (npd.Gamma(0.5, 1.0), 0.4),
+        (npd.Beta(2.0, 0.3), 0.5),
+        (npd.Dirichlet(jnp.array([2.0, 0.2, 1.0])), 0.7),
+    ],
+    ids=["gamma", "beta", "dirichlet"],
+)
+def test_improper_tempered_law_raises(d, T):
+    with pytest.raises(ValueError, match="improper"):
+        tempered_log_normalizer(d, T)
+    tempered_log_normalizer(d, 1.0)  # proper at T = 1
+
+
+def test_register_custom_rule_and_subclass_dispatch():
+    class Shifted(npd.Laplace):
+        pass
+
+    class ShiftedChild(Shifted):
+        pass
+
+    @register_tempered(Shifted)
+    def _laplace_rule(d, t):
+        log_z = jnp.log(t) + (1 - 1 / t) * jnp.log(2 * d.scale)
+        return TemperedResult(log_z, npd.Laplace(d.loc, d.scale * t))
+
+    assert Shifted in registered_types()
+    with x64():
+        got = tempered_log_normalizer(ShiftedChild(0.0, jnp.array([0.5, 2.0])), 3.0)
+    assert_allclose(got, np.log(3.0) + (2 / 3) * np.log([1.0, 4.0]), rtol=1e-12)
+    with pytest.raises(TypeError, match="Distribution subclass"):
+        register_tempered(npd.Bernoulli)  # a factory function, not a class
+    # Chi2 (a Gamma subclass) and OrderedLogistic (a CategoricalProbs subclass) dispatch
+    with x64():
+        assert_allclose(
+            tempered_log_normalizer(npd.Chi2(4.0), 2.0),
+            tempered_log_normalizer(npd.Gamma(2.0, 0.5), 2.0),
+            rtol=1e-12,
+        )
+        ol = npd.OrderedLogistic(0.3, jnp.array([-1.0, 1.0]))
+        assert_allclose(
+            tempered_log_normalizer(ol, 2.0),
+            tempered_log_normalizer(npd.Categorical(probs=ol.probs), 2.0),
+            rtol=1e-12,
+        )
+
+
+def test_with_numpyro_validation():
+    with validation_enabled(True):
+        d = npd.Gamma(jnp.array([2.0, 3.0]), 1.5)
+        assert d._validate_args
+        res = tempered(d, jnp.array([[0.5], [4.0]]))
+        assert res.distribution._validate_args  # sample validation follows the base
+        assert_allclose(res.log_normalizer, tempered_log_normalizer(d, [[0.5], [4.0]]))
+        with pytest.warns(UserWarning, match="Out-of-support"):
+            res.distribution.log_prob(-1.0)
+        td = tempered_distribution(npd.Poisson(2.0), 3.0)
+        with pytest.warns(UserWarning, match="Out-of-support"):
+            td.log_prob(-1.0)
+        with pytest.raises(ValueError, match="improper"):
+            tempered(npd.Gamma(0.5, 1.0), 0.25)
+
+
+def test_module_doctests():
+    result = doctest.testmod(partition, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
