@@ -2,6 +2,7 @@
 
 from numpyro_tempering.objectives.cubo import CUBO
 from numpyro_tempering.objectives.klpq import KLpq, stop_sample_gradients
+from numpyro_tempering.objectives.multicanonical import MulticanonicalELBO
 from numpyro_tempering.objectives.tempered import TemperedELBO
 
-__all__ = ["CUBO", "KLpq", "TemperedELBO", "stop_sample_gradients"]
+__all__ = ["CUBO", "KLpq", "MulticanonicalELBO", "TemperedELBO", "stop_sample_gradients"]

@@ -62,14 +62,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from numpyro.handlers import seed, trace
 from numpyro.infer.elbo import ELBO
 from numpyro.primitives import mutable
 
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import ModelSizes, _sizes_from_trace
+from numpyro_tempering.log_partition import ModelSizes, _sizes_from_trace, _structure_trace
 
 __all__ = [
     "RECORD",
@@ -125,7 +124,7 @@ def multicanonical_elbo(
         >>> w = LogWeights(jnp.zeros(1), jnp.array([-3.0]), jnp.zeros(1))
         >>> lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0])
         >>> value, post = multicanonical_elbo(w, lad)
-        >>> # eq. 18: r ~ exp(-3/T - log C): logits (-3, -2.5); value = logsumexp(logits) + log(1/2)
+        >>> # eq. 18: logits log(1/2) + (-3/1 - 0, -3/2 - 1); value = logsumexp(logits)
         >>> round(float(value), 4), [round(float(p), 4) for p in post.probs]
         (-2.7191, [0.3775, 0.6225])
     """
@@ -249,8 +248,7 @@ class MulticanonicalELBO(ELBO):
             key = None
         if key is not None and key in self._sizes_cache:
             return self._sizes_cache[key]
-        tr = trace(seed(self.tempered_model(model), 0)).get_trace(*args, **kwargs)
-        sizes = _sizes_from_trace(tr)
+        sizes = _sizes_from_trace(_structure_trace(self.tempered_model(model), args, kwargs))
         if key is not None:
             self._sizes_cache[key] = sizes
         return sizes
@@ -341,7 +339,7 @@ def record_temperatures(
     m = ladder.num_temperatures
     dtype = jnp.result_type(float)
 
-    @functools.wraps(model)
+    @functools.wraps(model, updated=())
     def recorded(*args, **kwargs):
         mutable(
             name,

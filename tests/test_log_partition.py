@@ -1,0 +1,336 @@
+"""Tempered log-partition functions log C(T): closed forms, brute force, Monte Carlo error."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from scipy import integrate
+from scipy.special import betaln, comb, logsumexp
+
+from numpyro_tempering.log_partition import (
+    ModelSizes,
+    analytic_log_partition,
+    jensen_bounds,
+    log_partition,
+    model_sizes,
+)
+
+KEY = jax.random.PRNGKey(0)
+TEMPS = np.array([1.0, 1.5, 3.0, 10.0])
+
+
+def within_se(est, exact, k=4.0, atol=2e-4):
+    """|estimate - exact| <= k standard errors (+ float32 slack), at every temperature."""
+    err = np.abs(np.asarray(est.log_c) - np.asarray(exact))
+    bound = k * np.asarray(est.stderr) + atol * np.maximum(1.0, np.abs(exact))
+    assert np.all(err <= bound), (err, bound)
+
+
+# ---------------------------------------------------------------------------------------
+# Normal likelihood. With known scale, int N(x; mu, s)^(1/T) dx = (2 pi s^2)^((1-a)/2) T^(1/2)
+# (a = 1/T) does not depend on mu, so log C = N [(1-a)/2 log(2 pi s^2) + 1/2 log T] exactly.
+# With an unknown scale s ~ LogNormal(m, v): C = T^(N/2) (2 pi)^(N(1-a)/2) E[s^k], k = N(1-a),
+# and E[s^k] = exp(k m + k^2 v^2 / 2).
+N_NORMAL, SIGMA, LOGN_M, LOGN_V = 5, 0.7, 0.2, 0.3
+
+
+def normal_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+
+def normal_scale_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    s = numpyro.sample("s", dist.LogNormal(LOGN_M, LOGN_V))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, s), obs=x)
+
+
+def normal_log_c(T, n=N_NORMAL, sigma=SIGMA):
+    a = 1.0 / T
+    return n * (0.5 * (1 - a) * np.log(2 * np.pi * sigma**2) + 0.5 * np.log(T))
+
+
+def normal_scale_log_c(T, n=N_NORMAL):
+    a = 1.0 / T
+    k = n * (1 - a)
+    return 0.5 * n * np.log(T) + 0.5 * k * np.log(2 * np.pi) + k * LOGN_M + 0.5 * (k * LOGN_V) ** 2
+
+
+def test_normal_known_scale_is_exact_with_zero_error():
+    est = log_partition(KEY, normal_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=4)
+    np.testing.assert_allclose(est.log_c, normal_log_c(TEMPS), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(est.stderr, 0.0, atol=1e-5)
+    assert est.log_c[0] == pytest.approx(0.0, abs=1e-5)
+    assert np.all(np.asarray(est.num_nonfinite) == 0)
+    assert est.sizes == ModelSizes(plates=(("data", N_NORMAL),), sites=(("x", (N_NORMAL,)),))
+
+
+def test_normal_unknown_scale_agrees_within_standard_error():
+    est = log_partition(
+        KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=4000, plate="data"
+    )
+    exact = normal_scale_log_c(TEMPS)
+    within_se(est, exact)
+    assert np.all(np.asarray(est.stderr)[1:] > 0)  # the estimate really is random
+    assert np.all(np.asarray(est.stderr) < 0.05)
+    # the error bar is calibrated: the error is not orders of magnitude below the SE either
+    z = np.abs(np.asarray(est.log_c) - exact)[1:] / np.asarray(est.stderr)[1:]
+    assert np.max(z) > 0.01
+
+
+def test_log_c_does_not_depend_on_data_values():
+    a = log_partition(KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=64)
+    b = log_partition(KEY, normal_scale_model, TEMPS, jnp.arange(N_NORMAL) * 3.0, num_samples=64)
+    np.testing.assert_array_equal(a.log_c, b.log_c)
+
+
+# ---------------------------------------------------------------------------------------
+# Beta-Bernoulli: p ~ Beta(A, B), x_n ~ Bern(p). C(T) = E[(p^a + (1-p)^a)^N]
+#   = sum_k binom(N, k) B(A + a k, B + a (N - k)) / B(A, B)     (binomial theorem).
+# A = B = 1 (written as Uniform(0, 1): JAX's Beta sampler takes seconds to compile).
+A0, B0, N_BB = 1.0, 1.0, 8
+
+
+def bb_model(x):
+    p = numpyro.sample("p", dist.Uniform(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Bernoulli(probs=p), obs=x)
+
+
+def bb_log_c(T, n=N_BB):
+    a = 1.0 / T
+    k = np.arange(n + 1)
+    return logsumexp(np.log(comb(n, k)) + betaln(A0 + a * k, B0 + a * (n - k)) - betaln(A0, B0))
+
+
+def bb_mean_log(T, n=N_BB):  # N E[log(p^a + (1-p)^a)] by quadrature
+    a = 1.0 / T
+    f = lambda p: (
+        np.log(p**a + (1 - p) ** a)
+        * np.exp(  # noqa: E731
+            (A0 - 1) * np.log(p) + (B0 - 1) * np.log1p(-p) - betaln(A0, B0)
+        )
+    )
+    return n * integrate.quad(f, 0, 1)[0]
+
+
+def bb_log_mean(T, n=N_BB):  # N log E[p^a + (1-p)^a]
+    a = 1.0 / T
+    return n * np.log(
+        np.exp(betaln(A0 + a, B0) - betaln(A0, B0)) + np.exp(betaln(A0, B0 + a) - betaln(A0, B0))
+    )
+
+
+@pytest.fixture(scope="module")
+def bb_estimates():
+    x = jnp.zeros(N_BB)
+    est = log_partition(KEY, bb_model, TEMPS, x, num_samples=3000, plate="data")
+    bounds = jensen_bounds(KEY, bb_model, TEMPS, x, num_samples=3000, plate="data")
+    return est, bounds
+
+
+def test_beta_bernoulli_agrees_with_closed_form(bb_estimates):
+    est, _ = bb_estimates
+    exact = np.array([bb_log_c(T) for T in TEMPS])
+    assert exact[0] == pytest.approx(0.0, abs=1e-12)
+    within_se(est, exact)
+    assert np.all(np.asarray(est.stderr)[1:] > 1e-4)
+
+
+def test_jensen_bounds_of_eq8_are_both_lower_bounds(bb_estimates):
+    est, bounds = bb_estimates
+    exact = np.array([bb_log_c(T) for T in TEMPS])
+    mean_log = np.array([bb_mean_log(T) for T in TEMPS])
+    log_mean = np.array([bb_log_mean(T) for T in TEMPS])
+    # the Monte Carlo bounds estimate their definitions
+    se = np.asarray(bounds.mean_log_stderr)
+    assert np.all(np.abs(np.asarray(bounds.mean_log) - mean_log) <= 4 * se + 1e-4)
+    np.testing.assert_allclose(bounds.log_mean, log_mean, atol=0.02)
+    # and both are below log C (the supplement calls the second an upper bound: it is not)
+    hot = slice(1, None)
+    assert np.all(mean_log[hot] < log_mean[hot])
+    assert np.all(log_mean[hot] < exact[hot])
+
+
+def test_analytic_approximation_eq4_sets_globals_to_the_prior_mean():
+    def model(x):  # the prior mean is used, never a draw: a Beta prior costs nothing here
+        p = numpyro.sample("p", dist.Beta(2.0, 3.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Bernoulli(probs=p), obs=x)
+
+    approx = analytic_log_partition(KEY, model, TEMPS, jnp.zeros(N_BB))
+    m = 2.0 / 5.0
+    expected = N_BB * np.log(m ** (1 / TEMPS) + (1 - m) ** (1 / TEMPS))
+    np.testing.assert_allclose(approx, expected, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# Discrete model by brute-force enumeration: a global switch b, tempered categorical locals z
+# and tempered Bernoulli observations x. C(T) = sum over all (b, z, x) of p(b) prod_n
+# (p(z_n | b) p(x_n | z_n))^(1/T).
+PB = 0.3
+PZ = np.array([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6]])
+PX = np.array([0.9, 0.5, 0.05])
+N_DISC = 3
+
+
+def discrete_model(x):
+    b = numpyro.sample("b", dist.Bernoulli(PB))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(probs=jnp.asarray(PZ)[b]))
+        numpyro.sample("x", dist.Bernoulli(probs=jnp.asarray(PX)[z]), obs=x)
+
+
+def discrete_log_c(T, n=N_DISC):
+    a = 1.0 / T
+    terms = []
+    for b in (0, 1):
+        pb = PB if b else 1 - PB
+        for zs in itertools.product(range(3), repeat=n):
+            for xs in itertools.product((0, 1), repeat=n):
+                lp = sum(
+                    np.log(PZ[b, z]) + np.log(PX[z] if x else 1 - PX[z])
+                    for z, x in zip(zs, xs, strict=True)
+                )
+                terms.append(np.log(pb) + a * lp)
+    return logsumexp(terms)
+
+
+@pytest.mark.parametrize("plate,num_inner", [("data", 8), (None, 4)])
+def test_discrete_model_agrees_with_brute_force(plate, num_inner):
+    exact = np.array([discrete_log_c(T) for T in TEMPS])
+    assert exact[0] == pytest.approx(0.0, abs=1e-12)
+    est = log_partition(
+        KEY,
+        discrete_model,
+        TEMPS,
+        jnp.zeros(N_DISC),
+        latent="z",
+        plate=plate,
+        num_samples=2000,
+        num_inner=num_inner,
+    )
+    within_se(est, exact)
+    assert float(est.log_c[0]) == pytest.approx(0.0, abs=1e-5)
+    assert np.all(np.asarray(est.stderr)[1:] > 1e-4)
+
+
+# ---------------------------------------------------------------------------------------
+# Untempered locals (LDA's theta_d, supplement eq. 7): theta_n ~ Beta(A, B) per element,
+# x_n ~ Bern(theta_n) tempered. C = prod_n E[theta^a + (1 - theta)^a], a closed form.
+def local_beta_model(x):
+    with numpyro.plate("data", x.shape[0]):
+        theta = numpyro.sample("theta", dist.Uniform(0.0, 1.0))  # Beta(A0, B0)
+        numpyro.sample("x", dist.Bernoulli(probs=theta), obs=x)
+
+
+def test_nested_average_over_untempered_locals():
+    n = 20
+    exact = np.array([bb_log_mean(T, n) for T in TEMPS])
+    est = log_partition(
+        KEY, local_beta_model, TEMPS, jnp.zeros(n), plate="data", num_samples=50, num_inner=200
+    )
+    # the globals are empty: all the randomness is inner, so the outer SE understates it;
+    # 50 x 200 inner draws per element give ~1e-3 accuracy per element
+    np.testing.assert_allclose(est.log_c, exact, atol=0.02)
+    assert float(est.log_c[0]) == pytest.approx(0.0, abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# The factorial mixture model: locals z tempered jointly with x (supplement section C, in its
+# form consistent with NumPyro's normalised densities).
+def test_fmm_matches_its_closed_form():
+    fmm = pytest.importorskip("numpyro_tempering.models.fmm")
+    n, d, k, pi, sigma_n = 6, 4, 3, 0.3, 0.1
+    est = log_partition(
+        KEY,
+        fmm.model,
+        TEMPS,
+        jnp.zeros((n, d)),
+        k,
+        pi,
+        sigma_n,
+        latent="z",
+        plate="data",
+        num_samples=4,
+    )
+    exact = fmm.log_partition(jnp.asarray(TEMPS), n, d, pi, sigma_n, num_components=k)
+    np.testing.assert_allclose(est.log_c, exact, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(est.stderr, 0.0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Subsampled plates are extrapolated by their scale; sizes record the full plate.
+def subsampled_normal_model(x, subsample_size=None):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=subsample_size) as idx:
+        numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x[idx])
+
+
+@pytest.mark.parametrize("subsample_size", [N_NORMAL, 2])
+def test_subsampled_plate(subsample_size):
+    x = jnp.zeros(N_NORMAL)
+    est = log_partition(
+        KEY, subsampled_normal_model, TEMPS, x, subsample_size=subsample_size, num_samples=4
+    )
+    np.testing.assert_allclose(est.log_c, normal_log_c(TEMPS), rtol=1e-5, atol=1e-5)
+    assert est.sizes == model_sizes(normal_model, x)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad input.
+def test_errors():
+    x = jnp.zeros(3)
+    with pytest.raises(ValueError, match="plate 'docs' is not in the model; its plates are"):
+        log_partition(KEY, normal_model, TEMPS, x, plate="docs")
+    with pytest.raises(ValueError, match=r"tempered site\(s\) \['s'\] are not inside plate"):
+        log_partition(KEY, normal_scale_model, TEMPS, x, plate="data", latent="s")
+    with pytest.raises(ValueError, match="no sample site named"):
+        log_partition(KEY, normal_model, TEMPS, x, latent="typo")
+    with pytest.raises(ValueError, match="`temperatures` must be finite and > 0"):
+        log_partition(KEY, normal_model, [1.0, -2.0], x)
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        log_partition(KEY, normal_model, [], x)
+    with pytest.raises(ValueError, match="`num_samples` must be an integer >= 2"):
+        log_partition(KEY, normal_model, TEMPS, x, num_samples=1)
+    with pytest.raises(ValueError, match="global site 'b' is discrete"):
+        analytic_log_partition(KEY, discrete_model, TEMPS, x, latent="z", plate="data")
+    with pytest.raises(NotImplementedError, match="site 'x'"):
+
+        def cauchy_model(x):
+            numpyro.sample("x", dist.Cauchy(0.0, 1.0), obs=x)
+
+        log_partition(KEY, cauchy_model, TEMPS, x)
+
+
+def test_nonfinite_draws_are_counted_not_dropped():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.factor("penalty", jnp.where(mu > 0, jnp.nan, 0.0))  # untempered weight
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+    est = log_partition(KEY, model, TEMPS, jnp.zeros(3), exclude="penalty", num_samples=200)
+    bad = np.asarray(est.num_nonfinite)
+    assert np.all(bad > 50) and np.all(bad < 150) and np.all(bad == bad[0])
+    assert np.all(np.isnan(np.asarray(est.log_c)))
+
+
+def test_untempered_factor_is_an_importance_weight():
+    # exclude a prior factor exp(-mu^2/2): p0(mu) N(mu; 0, 1) exp(-mu^2 / 2) integrates to
+    # 1/sqrt(2); the likelihood part is unchanged, so log C(T) = normal_log_c - log(2)/2
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.factor("penalty", -0.5 * mu**2)
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+    est = log_partition(KEY, model, TEMPS, jnp.zeros(N_NORMAL), exclude="penalty", num_samples=4000)
+    within_se(est, normal_log_c(TEMPS) - 0.5 * math.log(2.0))
