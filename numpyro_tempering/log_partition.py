@@ -534,7 +534,8 @@ def log_partition(
         rng_key: PRNG key.
         model: the *untempered* NumPyro model.
         temperatures: the ladder, shape ``(M,)`` (any positive values).
-        *args, **kwargs: model arguments (data of the right shape; values are not read).
+        *args: model arguments (data of the right shape; values are not read).
+        **kwargs: model keyword arguments (likewise).
         num_samples: number S of outer draws of the globals (>= 2 for a standard error).
         num_inner: number K of inner draws of the locals per outer draw and element.
         plate: name of the plate whose elements are averaged separately (the data plate;

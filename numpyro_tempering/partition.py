@@ -47,7 +47,7 @@ Public API
   too (see "Multinomial" below).
 
 Closed forms (``a' = 1 + (a - 1)/T``, elementwise)
--------------------------------------------------
+--------------------------------------------------
 
 * Normal(mu, s): ``(1 - 1/T)/2 log(2 pi s^2) + 1/2 log T``; law Normal(mu, s sqrt(T)).
 * MultivariateNormal(mu, S), dim D: ``(1 - 1/T)(D/2 log 2pi + 1/2 log|S|) + D/2 log T``;

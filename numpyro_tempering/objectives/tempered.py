@@ -17,15 +17,15 @@ __all__ = ["TemperedELBO"]
 class TemperedELBO(ELBO):
     r"""Tempered ELBO, eq. 7 of Mandt et al. (annealed-and-multicanonical-vi):
 
-    $$
-    \mathcal{L}_A(q; T) = \mathbb{E}_q[\log p(\beta)] - \mathbb{E}_q[\log q(\beta)]
-        + \sum_i \big(\mathbb{E}_q[\log p(x_i, z_i \mid \beta)] / T
-        - \mathbb{E}_q[\log q(z_i)]\big).
-    $$
+    .. math::
 
-    The loss SVI minimises is $-\mathcal{L}_A$, estimated with ``num_particles``
+        \mathcal{L}_A(q; T) = \mathbb{E}_q[\log p(\beta)] - \mathbb{E}_q[\log q(\beta)]
+            + \sum_i \big(\mathbb{E}_q[\log p(x_i, z_i \mid \beta)] / T
+            - \mathbb{E}_q[\log q(z_i)]\big).
+
+    The loss SVI minimises is :math:`-\mathcal{L}_A`, estimated with ``num_particles``
     reparameterised particles from the guide (vectorised with ``jax.vmap``); the log
-    normaliser $\log C(T)$ of eq. 4 is constant in q and omitted, as in the paper.
+    normaliser :math:`\log C(T)` of eq. 4 is constant in q and omitted, as in the paper.
 
     The temperature comes from one of two places:
 
