@@ -203,6 +203,15 @@ def log_weights(
     def one(key):
         return _single_particle(key, param_map, model, guide, args, kwargs, plate)
 
+    if num_particles == 1:  # as Trace_ELBO: no vmap over a single particle (cheaper)
+        weights = one(rng_key)
+        elements = weights.log_lik_elements
+        return weights._replace(
+            log_prior=weights.log_prior[None],
+            log_lik=weights.log_lik[None],
+            log_q=weights.log_q[None],
+            log_lik_elements=None if elements is None else elements[None],
+        )
     weights = jax.vmap(one)(particle_keys(rng_key, num_particles))
     state = weights.mutable_state
     if state is not None:
