@@ -1,0 +1,147 @@
+"""Overhead of TemperedELBO over numpyro's Trace_ELBO: time per jitted ``svi.update``.
+
+For each model (the collapsed factorial mixture model and a hierarchical linear regression)
+and each particle count (1 and 8), this times three SVI objectives on the same model, guide
+and optimiser, measured in the same process and interleaved so that machine load affects
+them alike:
+
+* ``Trace_ELBO``                            -- stock NumPyro (the reference);
+* ``TemperedELBO(T=2)``                     -- fixed temperature, ``temper`` applied inside;
+* ``TemperedELBO()`` + ``temper(schedule)`` -- annealing, the clock in SVI's mutable state.
+
+For each objective, ``--steps`` consecutive ``svi.update`` calls are compiled once into one
+``jax.lax.scan`` (so Python dispatch, identical for all objectives, does not blur the
+comparison) and warmed up; a repeat runs it and blocks on the result; the reported time is
+the median over ``--repeats`` repeats, in microseconds per step. The ratio column is
+time / Trace_ELBO time (target: <= 1.03).
+Run: ``python benchmarks/overhead.py`` (about a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
+
+from numpyro_tempering import TemperedELBO, schedules, temper
+from numpyro_tempering.models import fmm
+
+
+def hierarchical_regression(x, group, y=None, num_groups=10):
+    """y_n ~ N(a_{g(n)} + x_n . b, s^2), a_j ~ N(m, t^2): a small hierarchical GLM."""
+    m = numpyro.sample("m", dist.Normal(0.0, 5.0))
+    t = numpyro.sample("t", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", num_groups):
+        a = numpyro.sample("a", dist.Normal(m, t))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a[group] + x @ b, s), obs=y)
+
+
+def regression_data(key, num_data=2000, dim=5, num_groups=10):
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (num_data, dim))
+    group = jax.random.randint(k2, (num_data,), 0, num_groups)
+    y = jnp.arange(num_groups, dtype=float)[group] + x @ jnp.ones(dim)
+    return (x, group, y + jax.random.normal(k3, (num_data,)))
+
+
+def problems(key) -> dict[str, tuple[Callable, tuple]]:
+    data = fmm.make_toy_data(key, 1000)
+    return {
+        "collapsed FMM (N=1000, K=8, D=16)": (fmm.collapsed_model, (data.x,)),
+        "hierarchical regression (N=2000)": (hierarchical_regression, regression_data(key)),
+    }
+
+
+def make_updates(model, args, num_particles, key):
+    """Jitted update functions and initial states, one per objective."""
+    guide = AutoNormal(model)
+    optim = optax.adam(1e-3)
+    configs = {
+        "Trace_ELBO": (model, Trace_ELBO(num_particles=num_particles)),
+        "TemperedELBO(T=2)": (model, TemperedELBO(2.0, num_particles=num_particles)),
+        "TemperedELBO+schedule": (
+            temper(model, schedules.linear(10.0, 1.0, 10_000)),
+            TemperedELBO(num_particles=num_particles),
+        ),
+    }
+    out = {}
+    for name, (m, loss) in configs.items():
+        svi = SVI(m, guide, optim, loss)
+        state = svi.init(key, *args)
+        out[name] = (svi, state)
+    return out
+
+
+def compile_steps(svi, args, num_steps):
+    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan."""
+
+    def run(state):
+        return jax.lax.scan(lambda s, _: svi.update(s, *args), state, None, num_steps)
+
+    return jax.jit(run)
+
+
+def time_steps(run, state, num_steps):
+    start = time.perf_counter()
+    state, losses = jax.block_until_ready(run(state))
+    return (time.perf_counter() - start) / num_steps, state
+
+
+def benchmark(model, args, num_particles, steps, repeats, key):
+    runs, states = {}, {}
+    for name, (svi, state) in make_updates(model, args, num_particles, key).items():
+        runs[name] = compile_steps(svi, args, steps)
+        _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
+    times = {name: [] for name in runs}
+    for _ in range(repeats):  # interleave the objectives within each repeat
+        for name, run in runs.items():
+            seconds, states[name] = time_steps(run, states[name], steps)
+            times[name].append(seconds)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="updates per repeat")
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--particles", type=int, nargs="+", default=[1, 8])
+    args = parser.parse_args()
+
+    key = jax.random.PRNGKey(0)
+    print(
+        f"jax {jax.__version__}, numpyro {numpyro.__version__}, backend "
+        f"{jax.default_backend()}; median of {args.repeats} x {args.steps} steps"
+    )
+    header = f"{'model':<36} {'S':>2}  {'objective':<22} {'us/step':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for label, (model, data) in problems(key).items():
+        for num_particles in args.particles:
+            result = benchmark(model, data, num_particles, args.steps, args.repeats, key)
+            reference = result["Trace_ELBO"]
+            for name, seconds in result.items():
+                ratio = seconds / reference
+                if name != "Trace_ELBO":
+                    worst = max(worst, ratio)
+                print(
+                    f"{label:<36} {num_particles:>2}  {name:<22} {1e6 * seconds:>9.1f} "
+                    f"{ratio:>6.3f}"
+                )
+    print(f"worst ratio: {worst:.3f} (target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+r"""Collapsed latent Dirichlet allocation (LDA), the second model of annealed-and-multicanonical-vi.
+
+With the word-topic assignments summed out (variational-tempering supplement, eq. 5), for D
+documents of :math:`L_d` words over a vocabulary of V words and K topics:
+
+.. math::
+
+    \beta_k \sim \mathrm{Dir}(\eta\,\mathbf 1_V), \qquad
+    \theta_d \sim \mathrm{Dir}(\alpha\,\mathbf 1_K), \qquad
+    w_{dn} \mid \theta_d, \beta \sim \mathrm{Cat}\big(\textstyle\sum_k \theta_{dk}\beta_k\big).
+
+The paper uses :math:`\alpha = \eta = 1/K` (section 4), the defaults here.
+
+What this module provides
+-------------------------
+* :func:`make_corpus`: a synthetic corpus drawn from the model (no third-party data).
+* :func:`model`: per-word Categorical likelihood, sites ``beta`` (K, V), and inside
+  ``plate("docs", D)`` (dim -2) ``theta`` and, inside ``plate("words", L)`` (dim -1), the
+  observed ``w``. Tempering ``w`` tempers each word, :math:`p(w_{dn}\mid\theta_d,\beta)^{1/T}`,
+  whose normaliser is supplement eq. 6, :math:`\sum_v (\sum_k\theta_{dk}\beta_{kv})^{1/T}`:
+  :func:`~numpyro_tempering.log_partition.log_partition` on this model is supplement eq. 7
+  (with ``plate="docs"``).
+* :func:`multinomial_model`: the same likelihood on word *counts*,
+  ``Multinomial(L_d, theta_d @ beta)``. Its log density is :func:`model`'s plus the
+  multinomial coefficient :math:`\log L_d! - \sum_v \log n_{dv}!` (a data constant).
+  Caveat for tempering: ``temper`` scales the *whole* log-pmf, coefficient included, while
+  the package's Multinomial rule (``numpyro_tempering.partition``) tempers per trial (the
+  paper's eq. 6-7), i.e. the normaliser of the coefficient-*untempered* density. The two
+  objectives differ by :math:`(1/T - 1)` times the coefficient, which varies with T, so for
+  multicanonical VI use :func:`model` (whose tempering and log C agree).
+* :func:`document_log_normalizer`: supplement eq. 6 raised to the document length, for given
+  :math:`\theta, \beta`.
+
+Cost: the per-word model evaluates :math:`\theta_d^\top\beta` once per document (``D K V``)
+and gathers the L observed words; its log C per temperature costs ``D V`` (the Categorical
+is broadcast over the words plate, not copied).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from jax import random
+from jax.scipy.special import logsumexp
+from numpyro.util import not_jax_tracer
+
+__all__ = [
+    "LDAData",
+    "document_log_normalizer",
+    "make_corpus",
+    "model",
+    "multinomial_model",
+    "word_counts",
+]
+
+
+class LDAData(NamedTuple):
+    """A synthetic corpus: ``words`` (D, L) int, ``counts`` (D, V), and the true ``theta``
+    (D, K) and ``beta`` (K, V)."""
+
+    words: jax.Array
+    counts: jax.Array
+    theta: jax.Array
+    beta: jax.Array
+
+
+def _check_positive_int(value, name: str) -> int:
+    if int(value) != value or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    return int(value)
+
+
+def _check_concentration(value, name: str) -> float:
+    if not (float(value) > 0 and jnp.isfinite(value)):
+        raise ValueError(f"`{name}` must be a finite concentration > 0, got {value!r}.")
+    return float(value)
+
+
+def word_counts(words: jax.typing.ArrayLike, vocab_size: int) -> jax.Array:
+    """Bag-of-words counts ``(D, V)`` of a ``(D, L)`` array of word indices.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> word_counts(jnp.array([[0, 2, 2]]), 4).tolist()
+        [[1, 0, 2, 0]]
+    """
+    words = jnp.asarray(words)
+    return jnp.sum(jax.nn.one_hot(words, vocab_size, dtype=jnp.int32), axis=-2)
+
+
+def make_corpus(
+    rng_key: jax.Array,
+    num_docs: int = 50,
+    doc_length: int = 100,
+    num_topics: int = 50,
+    vocab_size: int = 4000,
+    *,
+    alpha: float | None = None,
+    eta: float | None = None,
+) -> LDAData:
+    """Draw a corpus from the LDA generative process (defaults: the paper's alpha = eta = 1/K).
+
+    Every document has ``doc_length`` words.
+
+    Example:
+        >>> import jax
+        >>> from numpyro_tempering.models.lda import make_corpus
+        >>> data = make_corpus(jax.random.PRNGKey(0), 3, 7, 4, 20)
+        >>> data.words.shape, data.counts.shape, int(data.counts.sum())
+        ((3, 7), (3, 20), 21)
+    """
+    num_docs = _check_positive_int(num_docs, "num_docs")
+    doc_length = _check_positive_int(doc_length, "doc_length")
+    num_topics = _check_positive_int(num_topics, "num_topics")
+    vocab_size = _check_positive_int(vocab_size, "vocab_size")
+    alpha = _check_concentration(1.0 / num_topics if alpha is None else alpha, "alpha")
+    eta = _check_concentration(1.0 / num_topics if eta is None else eta, "eta")
+    k_beta, k_theta, k_words = random.split(rng_key, 3)
+    dtype = jnp.result_type(float)
+    beta = random.dirichlet(k_beta, jnp.full((vocab_size,), eta, dtype), (num_topics,))
+    theta = random.dirichlet(k_theta, jnp.full((num_topics,), alpha, dtype), (num_docs,))
+    log_probs = jnp.log(theta @ beta)
+    words = random.categorical(k_words, log_probs[:, None, :], shape=(num_docs, doc_length))
+    return LDAData(words, word_counts(words, vocab_size), theta, beta)
+
+
+def _priors(num_topics, vocab_size, alpha, eta):
+    num_topics = _check_positive_int(num_topics, "num_topics")
+    vocab_size = _check_positive_int(vocab_size, "vocab_size")
+    alpha = 1.0 / num_topics if alpha is None else alpha
+    eta = 1.0 / num_topics if eta is None else eta
+    beta = numpyro.sample(
+        "beta", dist.Dirichlet(jnp.full((vocab_size,), eta)).expand([num_topics]).to_event(1)
+    )
+    return beta, dist.Dirichlet(jnp.full((num_topics,), alpha))
+
+
+def _shape(data, num_docs, second, what: str) -> tuple[int, int]:
+    if data is None:
+        if num_docs is None or second is None:
+            raise ValueError(f"without `{what}`, give `num_docs` and the document size.")
+        return int(num_docs), int(second)
+    if jnp.ndim(data) != 2:
+        raise ValueError(f"`{what}` must have shape (num_docs, ...), got {jnp.shape(data)}.")
+    d, s = jnp.shape(data)
+    if num_docs is not None and num_docs != d:
+        raise ValueError(f"`{what}` has {d} documents but num_docs={num_docs}.")
+    return d, s
+
+
+def model(
+    words: jax.typing.ArrayLike | None = None,
+    num_topics: int = 50,
+    vocab_size: int = 4000,
+    alpha: float | None = None,
+    eta: float | None = None,
+    *,
+    num_docs: int | None = None,
+    doc_length: int | None = None,
+    subsample_size: int | None = None,
+) -> None:
+    r"""Collapsed LDA with one Categorical site per word (supplement eq. 5).
+
+    Args:
+        words: ``(D, L)`` word indices in ``[0, V)`` (``None`` to generate: give ``num_docs``
+            and ``doc_length``).
+        num_topics, vocab_size: K and V.
+        alpha, eta: Dirichlet concentrations of theta and beta (default 1/K each).
+        subsample_size: documents per minibatch (``plate("docs", D, subsample_size)``).
+
+    Sites: ``beta`` (K, V); ``theta`` (D, 1, K) in ``plate("docs", dim=-2)``; ``w`` (D, L)
+    observed, in ``plate("words", dim=-1)``.
+
+    Example:
+        >>> import jax, jax.numpy as jnp
+        >>> from numpyro.infer.util import log_density
+        >>> from numpyro_tempering.models import lda
+        >>> beta, theta = jnp.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]), jnp.array([[[1.0, 0.0]]])
+        >>> lp, tr = log_density(lda.model, (jnp.array([[0, 1]]), 2, 3, 1.0, 1.0), {},
+        ...                      {"beta": beta, "theta": theta})
+        >>> round(float(tr["w"]["fn"].log_prob(tr["w"]["value"]).sum()), 4)  # 2 log(1/2)
+        -1.3863
+    """
+    num_docs, doc_length = _shape(words, num_docs, doc_length, "words")
+    if words is not None:
+        words = jnp.asarray(words)
+        if not jnp.issubdtype(words.dtype, jnp.integer):
+            raise ValueError(f"`words` must be integer word indices, got dtype {words.dtype}.")
+    beta, theta_prior = _priors(num_topics, vocab_size, alpha, eta)
+    with numpyro.plate("docs", num_docs, subsample_size=subsample_size, dim=-2) as idx:
+        theta = numpyro.sample("theta", theta_prior)  # (B, 1, K)
+        probs = jnp.matmul(theta, beta)  # (B, 1, V)
+        obs = None if words is None else words[idx]
+        with numpyro.plate("words", doc_length, dim=-1):
+            numpyro.sample("w", dist.Categorical(probs=probs), obs=obs)
+
+
+def multinomial_model(
+    counts: jax.typing.ArrayLike | None = None,
+    num_topics: int = 50,
+    vocab_size: int | None = None,
+    alpha: float | None = None,
+    eta: float | None = None,
+    *,
+    num_docs: int | None = None,
+    doc_length: int | None = None,
+    subsample_size: int | None = None,
+) -> None:
+    r"""Collapsed LDA on bag-of-words counts: ``counts_d ~ Multinomial(L_d, theta_d @ beta)``.
+
+    ``counts`` is ``(D, V)``; every document must have the same length ``L`` (the counts'
+    row sums) unless ``doc_length`` is given. See the module docstring for the caveat on
+    tempering the multinomial coefficient.
+
+    Sites: ``beta`` (K, V); in ``plate("docs", dim=-1)``: ``theta`` (D, K) and the observed
+    ``counts`` (D, V).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from numpyro.infer.util import log_density
+        >>> from numpyro_tempering.models import lda
+        >>> beta, theta = jnp.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]), jnp.array([[1.0, 0.0]])
+        >>> _, tr = log_density(lda.multinomial_model, (jnp.array([[1, 1, 0]]), 2), {},
+        ...                     {"beta": beta, "theta": theta})
+        >>> round(float(tr["counts"]["fn"].log_prob(tr["counts"]["value"]).sum()), 4)  # log 1/2
+        -0.6931
+    """
+    if counts is not None:
+        counts = jnp.asarray(counts)
+        if counts.ndim != 2:
+            raise ValueError(f"`counts` must have shape (num_docs, V), got {counts.shape}.")
+        if vocab_size is not None and counts.shape[1] != vocab_size:
+            raise ValueError(f"`counts` has {counts.shape[1]} words but vocab_size={vocab_size}.")
+        vocab_size = counts.shape[1]
+        if doc_length is None:
+            if not not_jax_tracer(counts):
+                raise ValueError("`doc_length` is needed when `counts` is traced (under jit).")
+            lengths = np.asarray(counts).sum(-1)
+            doc_length = int(lengths[0])
+            if not np.all(lengths == doc_length):
+                raise ValueError("documents of different lengths: give `doc_length` per "
+                                 "document as an array, or equal-length documents.")
+    elif vocab_size is None or doc_length is None or num_docs is None:
+        raise ValueError("without `counts`, give `num_docs`, `vocab_size` and `doc_length`.")
+    num_docs = counts.shape[0] if counts is not None else int(num_docs)
+    beta, theta_prior = _priors(num_topics, vocab_size, alpha, eta)
+    with numpyro.plate("docs", num_docs, subsample_size=subsample_size) as idx:
+        theta = numpyro.sample("theta", theta_prior)  # (B, K)
+        obs = None if counts is None else counts[idx]
+        numpyro.sample("counts", dist.Multinomial(doc_length, probs=theta @ beta), obs=obs)
+
+
+def document_log_normalizer(
+    temperature: jax.typing.ArrayLike,
+    theta: jax.typing.ArrayLike,
+    beta: jax.typing.ArrayLike,
+    doc_length: int,
+) -> jax.Array:
+    r"""Supplement eq. 6 for a whole document: :math:`L \log\sum_v (\sum_k \theta_k
+    \beta_{kv})^{1/T}`.
+
+    ``theta``: ``(..., K)``; ``beta``: ``(K, V)``; ``temperature`` broadcast against the batch
+    of ``theta``. The log C of :func:`model` given the globals and the thetas is the sum of
+    this over the documents.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> beta = jnp.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]])
+        >>> round(float(document_log_normalizer(2.0, jnp.array([1.0, 0.0]), beta, 3)), 4)
+        1.0397
+    """
+    log_p = jnp.log(jnp.matmul(jnp.asarray(theta), jnp.asarray(beta)))
+    t = jnp.asarray(temperature, log_p.dtype)
+    return doc_length * logsumexp(log_p / t[..., None], axis=-1)
