@@ -11,10 +11,10 @@ same number of Adam steps, for several seeds:
 * **AVI**: annealed VI with the package's handler, ``temper(model, schedules.linear(T0, 1,
   t_A))`` and ``TemperedELBO()``. This tempers the *marginal* likelihood
   p(x_n | mu)^(1/T) (the switches are already summed out);
-* **AVI-joint**: the paper's tempering of the *local joint* p(x_n, z_n | mu)^(1/T), which
-  for the collapsed model is ``collapsed_model(x, temperature=T)`` (an FMM with switch
-  probability pi_T -> 1/2 and noise sigma_n sqrt(T)); the same linear schedule is fed to it
-  step by step inside one compiled ``lax.scan``.
+* **AVI-joint**: the paper's tempering of the *local joint* p(x_n, z_n | mu)^(1/T) before
+  the switches are summed, ``temper(model, schedule, joint=True)`` (for the FMM this is an
+  FMM with switch probability pi_T -> 1/2 and noise sigma_n sqrt(T), see
+  :func:`~numpyro_tempering.models.fmm.jointly_tempered_params`), same schedule.
 
 Every run is compiled once per method (the seeds are vmapped). At the end the ELBO at T = 1
 is estimated with 64 particles from the package's log-weight engine (mean +- standard
@@ -86,7 +86,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def build(args, x):
-    """The guide, the three SVI objects and the per-step joint temperatures."""
+    """The guide, the three SVI objects and the annealed runs' temperature per step."""
     model = fmm.collapsed_model
     guide = AutoNormal(model, init_scale=0.1)
     # b2 = 0.99 rather than 0.999: with the longer memory, the huge gradients of the first
@@ -97,24 +97,21 @@ def build(args, x):
     svis = {
         "VI": SVI(model, guide, optim, Trace_ELBO()),
         "AVI": SVI(temper(model, schedule), guide, optim, TemperedELBO()),
-        "AVI-joint": SVI(model, guide, optim, Trace_ELBO()),
+        "AVI-joint": SVI(temper(model, schedule, joint=True), guide, optim, TemperedELBO()),
     }
-    joint_temperatures = schedules.trajectory(schedule, args.steps)
-    return guide, svis, joint_temperatures
+    temperatures = schedules.trajectory(schedule, args.steps)
+    return guide, svis, temperatures
 
 
-def make_fit(svi, guide, x, joint: bool, eval_every: int):
-    """(state, temperatures) -> (final state, ELBO at T = 1 every ``eval_every`` steps).
+def make_fit(svi, guide, x, eval_every: int):
+    """(state, num_steps) -> (final state, ELBO at T = 1 every ``eval_every`` steps).
 
-    With ``joint`` the temperatures are passed to the model (``temperature=T_t``, the paper's
-    joint tempering); otherwise they are ignored (VI, or AVI whose schedule lives in the
-    ``temper`` handler's clock).
+    The annealed runs' temperatures come from the ``temper`` handler's clock in the SVI state.
     """
     elbo = Trace_ELBO(num_particles=8)
 
-    def step(state, temperature):
-        kwargs = {"temperature": temperature} if joint else {}
-        return svi.update(state, x, **kwargs)
+    def step(state, _):
+        return svi.update(state, x)
 
     def chunk(state, inputs):
         index, temps = inputs
@@ -234,7 +231,7 @@ def main() -> None:
     start = time.perf_counter()
     data = fmm.make_toy_data(jax.random.PRNGKey(args.data_seed), args.num_data)
     x = data.x
-    guide, svis, joint_temperatures = build(args, x)
+    guide, svis, temperatures = build(args, x)
     truth_loglik = float(fmm.FactorialMixture(data.mu).log_prob(x).sum())
 
     keys = jax.random.split(jax.random.PRNGKey(1), args.seeds)
@@ -247,9 +244,9 @@ def main() -> None:
             for k, mu0 in zip(keys, inits, strict=True)
         ]
         batch = jax.tree.map(lambda *s: jnp.stack(s), *states)
-        fit = make_fit(svi, guide, x, name == "AVI-joint", args.eval_every)
+        fit = make_fit(svi, guide, x, args.eval_every)
         t = time.perf_counter()
-        final, trace = jax.jit(jax.vmap(fit, in_axes=(0, None)))(batch, joint_temperatures)
+        final, trace = jax.jit(jax.vmap(fit, in_axes=(0, None)))(batch, temperatures)
         jax.block_until_ready(trace)
         print(
             f"{name:>9}: {args.seeds} seeds x {args.steps} steps in {time.perf_counter() - t:.1f} s"
@@ -268,7 +265,7 @@ def main() -> None:
         for s in range(args.seeds)
     ]
     print_table(results, truth_loglik)
-    plot(args, results, traces, np.asarray(data.mu), np.asarray(joint_temperatures))
+    plot(args, results, traces, np.asarray(data.mu), np.asarray(temperatures))
     print(f"figure: {args.out}; total time {time.perf_counter() - start:.0f} s")
 
 

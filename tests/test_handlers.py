@@ -193,3 +193,43 @@ def test_schedule_clock_reads_the_step_from_mutable_state():
     assert int(state["step"]) == 4 and float(state["temperature"]) == pytest.approx(7.0)
     # without SVI's state (e.g. a bare log_density) the schedule starts at step 0
     np.testing.assert_allclose(logp(temper(model, sched)), by_hand(T=10.0), rtol=1e-6)
+
+
+W = jnp.array([0.3, 0.7])
+LOCS = jnp.array([-2.0, 1.5])
+
+
+def mixture_model(x=X):
+    shift = numpyro.sample("shift", dist.Normal(0.0, 1.0))
+    mix = dist.MixtureSameFamily(dist.Categorical(W), dist.Normal(LOCS + shift, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", mix, obs=x)
+
+
+def explicit_mixture_model(x=X):
+    shift = numpyro.sample("shift", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Categorical(W))
+        numpyro.sample("x", dist.Normal(LOCS[z] + shift, 1.0), obs=x)
+
+
+@pytest.mark.parametrize("T", [1.0, 3.0, 10.0])
+def test_joint_tempering_equals_tempering_the_explicit_local_then_summing(T):
+    # paper eq. 4 with p(x_n, z_n | beta)^(1/T): brute force over z of the explicit model
+    shift = 0.3
+    configs = jnp.stack(jnp.meshgrid(*[jnp.arange(2)] * X.shape[0], indexing="ij"), -1)
+    configs = configs.reshape(-1, X.shape[0])
+    explicit = temper(explicit_mixture_model, T, latent="z")
+    per_config = jax.vmap(lambda z: logp(explicit, {"shift": shift, "z": z}))(configs)
+    brute = jax.scipy.special.logsumexp(per_config)
+    joint = logp(temper(mixture_model, T, joint=True), {"shift": shift})
+    np.testing.assert_allclose(joint, brute, rtol=1e-5)
+    marginal = logp(temper(mixture_model, T), {"shift": shift})
+    if T > 1:  # tempering the marginal instead is a different density
+        assert abs(float(marginal - joint)) > 1e-2
+    else:
+        np.testing.assert_allclose(marginal, joint, rtol=1e-6)
+
+
+def test_joint_tempering_leaves_sites_without_components_to_scale():
+    np.testing.assert_allclose(logp(temper(model, 3.0, joint=True)), by_hand(T=3.0), rtol=1e-6)

@@ -321,3 +321,12 @@ def test_match_components_recovers_a_permutation():
     assert fmm.component_error(noisy, truth) == pytest.approx(0.01, rel=0.2)
     with pytest.raises(ValueError, match="same shape"):
         fmm.match_components(noisy[:7], truth)
+
+
+@pytest.mark.parametrize("T", [1.0, 2.5, 10.0])
+def test_temper_joint_equals_the_jointly_tempered_collapsed_model(T):
+    data = fmm.make_toy_data(jax.random.PRNGKey(3), 20)
+    params = {"mu": data.mu}
+    via_handler = log_density(temper(fmm.collapsed_model, T, joint=True), (data.x,), {}, params)
+    by_hand = log_density(fmm.collapsed_model, (data.x,), {"temperature": T}, params)
+    np.testing.assert_allclose(via_handler[0], by_hand[0], rtol=2e-5)

@@ -303,6 +303,9 @@ class FactorialMixture(dist.Distribution):
         """log p(x, z = c | mu) for all 2^K configurations c (last axis)."""
         return _config_log_joint(value, self.mu, self.pi, self.sigma_n)
 
+    #: NumPyro's mixture name for the same thing: ``temper(..., joint=True)`` reads it.
+    component_log_probs = config_log_joint
+
     @validate_sample
     def log_prob(self, value):
         return logsumexp(self.config_log_joint(value), axis=-1)

@@ -30,8 +30,8 @@ class TemperedELBO(ELBO):
     The temperature comes from one of two places:
 
     * ``TemperedELBO(temperature=T)`` tempers the model's likelihood (or the sites chosen with
-      ``sites``/``latent``/``exclude``, as in :class:`~numpyro_tempering.temper`) at a fixed
-      or traced T;
+      ``sites``/``latent``/``exclude``/``joint``, as in :class:`~numpyro_tempering.temper`)
+      at a fixed or traced T;
     * ``TemperedELBO()`` on a model wrapped with ``temper(model, schedule)`` anneals: the
       schedule's clock lives in SVI's mutable state and advances by one per update, also with
       ``num_particles > 1``. A schedule cannot be given to the ELBO itself, because stock SVI
@@ -64,6 +64,7 @@ class TemperedELBO(ELBO):
         sites: str | Collection[str] | Callable | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
+        joint: bool = False,
         num_particles: int = 1,
     ) -> None:
         if callable(temperature):
@@ -77,7 +78,7 @@ class TemperedELBO(ELBO):
         elif sites is not None or latent or exclude:
             temperature = 1.0
         self.temperature = temperature
-        self._selection = dict(sites=sites, latent=latent, exclude=exclude)
+        self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=joint)
         super().__init__(num_particles=num_particles)
 
     def tempered_model(self, model: Callable) -> Callable:
