@@ -1,0 +1,189 @@
+"""Overhead of MulticanonicalELBO over Trace_ELBO: time per jitted ``svi.update``.
+
+Same model, guide, optimiser and number of particles; the multicanonical objective uses the
+paper's ladder of 100 temperatures (1..10, geometric) with a precomputed log C, with one
+global temperature and with one temperature per element of the data plate (local). Models:
+
+* **FMM** (N = 1000, K = 8, D = 16): the model that ``examples/fmm_multicanonical.py`` fits
+  with MVI -- the jointly tempered factorial mixture with the local step done analytically
+  (factor ``x_z`` = expected complete-data log-likelihood under q(z_n) over the 2^8
+  configurations, tempered; factor ``z_entropy`` untempered); log C in closed form
+  (``fmm.log_partition``);
+* **regression** (N = 2000): the hierarchical linear regression of ``benchmarks/overhead.py``;
+  log C from the generic estimator (``Ladder.with_log_partition``, computed once, not timed).
+
+The reference is ``Trace_ELBO`` on the *same* model. For each objective, ``--steps``
+consecutive updates are compiled once into one ``jax.lax.scan`` and warmed up; each repeat
+runs it and blocks on the result; objectives are interleaved within a repeat so that machine
+load affects them alike; the time is the median over ``--repeats``, in microseconds per
+step. ratio = time / Trace_ELBO time (target <= 1.15). The ``+ record`` row also stores q(y)
+and E[T] for every step (``record_temperatures``), as the example does.
+
+Run: ``python benchmarks/multicanonical.py`` (a few minutes on 2 CPU cores);
+``--quick`` for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
+
+from numpyro_tempering import Ladder, MulticanonicalELBO
+from numpyro_tempering.log_partition import model_sizes
+from numpyro_tempering.models import fmm
+from numpyro_tempering.objectives.multicanonical import record_temperatures
+
+
+def fmm_mvi_model(x, beta_z, num_components=8, pi=0.3, sigma_n=0.1, sigma_mu=0.35):
+    """The FMM with q(z_n) proportional to p(x_n, z_n | mu)^beta_z (as in
+    examples/fmm_multicanonical.py)."""
+    num_data, dim = x.shape
+    mu = numpyro.sample(
+        "mu", dist.Normal(0.0, sigma_mu).expand([num_components, dim]).to_event(2)
+    )
+    log_joint = fmm.FactorialMixture(mu, pi, sigma_n).config_log_joint(x)
+    log_q = jax.nn.log_softmax(beta_z * log_joint, axis=-1)
+    q = jnp.exp(log_q)
+    with numpyro.plate("data", num_data):
+        numpyro.factor("x_z", jnp.sum(q * log_joint, -1))
+        numpyro.factor("z_entropy", -jnp.sum(q * log_q, -1))
+
+
+def hierarchical_regression(x, group, y=None, num_groups=10):
+    """y_n ~ N(a_{g(n)} + x_n . b, s^2), a_j ~ N(m, t^2) (as in benchmarks/overhead.py)."""
+    m = numpyro.sample("m", dist.Normal(0.0, 5.0))
+    t = numpyro.sample("t", dist.HalfNormal(2.0))
+    with numpyro.plate("groups", num_groups):
+        a = numpyro.sample("a", dist.Normal(m, t))
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Normal(a[group] + x @ b, s), obs=y)
+
+
+def regression_data(key, num_data=2000, dim=5, num_groups=10):
+    k1, k2, k3 = jax.random.split(key, 3)
+    x = jax.random.normal(k1, (num_data, dim))
+    group = jax.random.randint(k2, (num_data,), 0, num_groups)
+    y = jnp.arange(num_groups, dtype=float)[group] + x @ jnp.ones(dim)
+    return x, group, y + jax.random.normal(k3, (num_data,))
+
+
+def problems(key, num_temperatures):
+    """(label, model, args, ladder, objective options) per problem."""
+    ladder = Ladder.geometric(1.0, 10.0, num_temperatures)
+    data = fmm.make_toy_data(key, 1000)
+    x = data.x
+    fmm_args = (x, 0.5)
+    log_c = fmm.log_partition(jnp.asarray(ladder.temperatures), *x.shape, 0.3, 0.1)
+    fmm_ladder = ladder.with_log_partition_values(
+        np.asarray(log_c), sizes=model_sizes(fmm_mvi_model, *fmm_args, exclude="z_entropy"))
+    reg_args = regression_data(key)
+    reg_ladder = ladder.with_log_partition(hierarchical_regression, key, *reg_args,
+                                          num_samples=100)
+    return [
+        ("FMM (N=1000, K=8, D=16)", fmm_mvi_model, fmm_args, fmm_ladder,
+         {"exclude": "z_entropy"}),
+        ("regression (N=2000)", hierarchical_regression, reg_args, reg_ladder, {}),
+    ]
+
+
+def make_updates(model, args, ladder, options, num_particles, num_steps, key):
+    """One (svi, state) per objective, all on the same model, guide and optimiser."""
+    guide = AutoNormal(model)
+    optim = optax.adam(1e-3)
+    configs: dict[str, tuple[Callable, object]] = {
+        "Trace_ELBO": (model, Trace_ELBO(num_particles=num_particles)),
+        "M-ELBO global": (model, MulticanonicalELBO(ladder, num_particles=num_particles,
+                                                    **options)),
+        "M-ELBO global + record": (
+            record_temperatures(model, ladder, num_steps),
+            MulticanonicalELBO(ladder, num_particles=num_particles, **options)),
+        "M-ELBO local (data)": (model, MulticanonicalELBO(
+            ladder, plate="data", num_particles=num_particles, **options)),
+    }
+    out = {}
+    for name, (m, loss) in configs.items():
+        svi = SVI(m, guide, optim, loss)
+        out[name] = (svi, svi.init(key, *args))
+    return out
+
+
+def compile_steps(svi, args, num_steps):
+    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan."""
+
+    def run(state):
+        return jax.lax.scan(lambda s, _: svi.update(s, *args), state, None, num_steps)
+
+    return jax.jit(run)
+
+
+def time_steps(run, state, num_steps):
+    start = time.perf_counter()
+    state, losses = jax.block_until_ready(run(state))
+    if not np.all(np.isfinite(np.asarray(losses))):
+        raise FloatingPointError("non-finite loss during the benchmark")
+    return (time.perf_counter() - start) / num_steps, state
+
+
+def benchmark(model, args, ladder, options, num_particles, steps, repeats, key):
+    runs, states = {}, {}
+    updates = make_updates(model, args, ladder, options, num_particles, steps * (repeats + 1),
+                           key)
+    for name, (svi, state) in updates.items():
+        runs[name] = compile_steps(svi, args, steps)
+        _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            seconds, states[name] = time_steps(run, states[name], steps)
+            times[name].append(seconds)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="updates per repeat")
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--particles", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--ladder", type=int, default=100, help="number of temperatures")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 20 steps, 3 repeats")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.repeats, args.particles = 20, 3, [1]
+
+    key = jax.random.PRNGKey(0)
+    print(f"jax {jax.__version__}, numpyro {numpyro.__version__}, backend "
+          f"{jax.default_backend()}, load average {os.getloadavg()[0]:.1f}; M = {args.ladder} "
+          f"temperatures; median of {args.repeats} x {args.steps} steps")
+    header = f"{'model':<24} {'S':>2}  {'objective':<24} {'us/step':>9} {'ratio':>6}"
+    print(header)
+    print("-" * len(header))
+    worst = 0.0
+    for label, model, data, ladder, options in problems(key, args.ladder):
+        for num_particles in args.particles:
+            result = benchmark(model, data, ladder, options, num_particles, args.steps,
+                               args.repeats, key)
+            reference = result["Trace_ELBO"]
+            for name, seconds in result.items():
+                ratio = seconds / reference
+                if name != "Trace_ELBO":
+                    worst = max(worst, ratio)
+                print(f"{label:<24} {num_particles:>2}  {name:<24} {1e6 * seconds:>9.1f} "
+                      f"{ratio:>6.3f}")
+    print(f"worst ratio: {worst:.3f} (target <= 1.15)")
+
+
+if __name__ == "__main__":
+    main()
