@@ -242,13 +242,17 @@ class _tempered_prior(Messenger):
         self.temperature = temperature
         self.fallback = fallback
         self.records: list[tuple[dict, jax.Array, bool]] = []
+        self.plate_sizes: dict[str, int] = {}  # full sizes (frames only carry the subsample)
         super().__init__(fn)
 
     def __enter__(self):
         self.records = []
+        self.plate_sizes = {}
         return super().__enter__()
 
     def process_message(self, msg: dict) -> None:
+        if msg["type"] == "plate":
+            self.plate_sizes[msg["name"]] = msg["args"][0]
         if msg["type"] != "sample":
             return
         is_tempered = bool(msg["infer"].get(TEMPERED, False))
@@ -367,19 +371,28 @@ def _contributions(
     plate: str | None,
     fallback: Fallback,
 ) -> tuple[jax.Array, jax.Array]:
-    """One inner draw at one T: per-element log contributions ``(E,)`` and the rest ``()``."""
+    """One inner draw at one T: per-element log contributions ``(E,)``, the rest ``()`` and
+    the plate's subsampling multiplicity N/B.
+
+    The element contributions are returned *without* the multiplicity N/B of a subsampled
+    plate: the nested estimate is (N/B) sum_n log mean_k exp(a_kn), and scaling inside the
+    inner log-mean-exp would estimate log E[exp((N/B) a)] instead.
+    """
     handler = _tempered_prior(marked, temperature, fallback)
     substitute(seed(handler, key), data=fixed)(*args, **kwargs)
     zero = jnp.zeros((), temperature.dtype)
-    elements, rest = zero, zero
+    elements, rest, multiplicity = zero, zero, jnp.ones((), temperature.dtype)
     for site, value, _ in handler.records:
         if _in_plate(site, plate):
-            elements = elements + _element_log_lik(site, value, plate)
+            per_element = _element_log_lik(site, value, plate)
+            size = handler.plate_sizes[plate]
+            multiplicity = jnp.asarray(size / per_element.shape[-1], temperature.dtype)
+            elements = elements + per_element / multiplicity
         elif plate is None:
             elements = elements + jnp.sum(value)
         else:
             rest = rest + jnp.sum(value)
-    return jnp.atleast_1d(elements), rest
+    return jnp.atleast_1d(elements), rest, multiplicity
 
 
 def _fixed_values(
@@ -429,17 +442,18 @@ def _draws(
         key_outer, key_inner = random.split(key)
         fixed = _fixed_values(marked, key_outer, args, kwargs, plate, at_mean)
 
-        def run(t: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        def run(t: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
             return _contributions(marked, t, k, fixed, args, kwargs, plate, fallback)
 
         inner_keys = random.split(key_inner, num_inner)
         # same inner keys at every temperature (common random numbers)
-        el, rest = jax.vmap(jax.vmap(run, (None, 0)), (0, None))(temperatures, inner_keys)
-        element_lme = _log_mean_exp(el, axis=1)  # (M, E)
+        el, rest, mult = jax.vmap(jax.vmap(run, (None, 0)), (0, None))(temperatures, inner_keys)
+        mult = mult[0, 0]  # N/B, the same for every draw
+        element_lme = mult * _log_mean_exp(el, axis=1)  # (M, E), scaled after the average
         rest_lme = _log_mean_exp(rest, axis=1)  # (M,)
         return _Draw(
             log_c=element_lme.sum(-1) + rest_lme,
-            mean_log=el.mean(1).sum(-1) + rest.mean(1),
+            mean_log=mult * el.mean(1).sum(-1) + rest.mean(1),
             element_log_mean=element_lme,
             rest_log_mean=rest_lme,
         )
