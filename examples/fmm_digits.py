@@ -25,7 +25,7 @@ enumerated): the posterior predictive :math:`\log \frac1S\sum_s p(x^*\mid\mu_s)`
 the same prior draw per seed and is compiled once (seeds vmapped).
 
 Needs scikit-learn (an ``examples`` extra). Run: ``python examples/fmm_digits.py``
-(defaults: 10 seeds, 1500 steps; about 2 minutes on 2 CPU cores), ``--quick`` for a smoke run.
+(defaults: 10 seeds, 1500 steps; 2 to 4 minutes on 2 CPU cores), ``--quick`` for a smoke run.
 """
 
 from __future__ import annotations
