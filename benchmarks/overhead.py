@@ -24,36 +24,15 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro
-import numpyro.distributions as dist
 import optax
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_tempering import TemperedELBO, schedules, temper
 from numpyro_tempering.models import fmm
-
-
-def hierarchical_regression(x, group, y=None, num_groups=10):
-    """y_n ~ N(a_{g(n)} + x_n . b, s^2), a_j ~ N(m, t^2): a small hierarchical GLM."""
-    m = numpyro.sample("m", dist.Normal(0.0, 5.0))
-    t = numpyro.sample("t", dist.HalfNormal(2.0))
-    with numpyro.plate("groups", num_groups):
-        a = numpyro.sample("a", dist.Normal(m, t))
-    b = numpyro.sample("b", dist.Normal(0.0, 1.0).expand([x.shape[1]]).to_event(1))
-    s = numpyro.sample("s", dist.HalfNormal(1.0))
-    with numpyro.plate("data", x.shape[0]):
-        numpyro.sample("y", dist.Normal(a[group] + x @ b, s), obs=y)
-
-
-def regression_data(key, num_data=2000, dim=5, num_groups=10):
-    k1, k2, k3 = jax.random.split(key, 3)
-    x = jax.random.normal(k1, (num_data, dim))
-    group = jax.random.randint(k2, (num_data,), 0, num_groups)
-    y = jnp.arange(num_groups, dtype=float)[group] + x @ jnp.ones(dim)
-    return (x, group, y + jax.random.normal(k3, (num_data,)))
+from numpyro_tempering.models.regression import hierarchical_regression, regression_data
 
 
 def problems(key) -> dict[str, tuple[Callable, tuple]]:
