@@ -137,8 +137,8 @@ def main() -> None:
           + " | (SE/word shown)")
     print("\nSE: the estimator's delta-method standard error of log C (total, not per word); "
           "ESS: Kish effective\nsample size of the S outer draws. Differences between keys "
-          "far beyond the SE mean the SE is unreliable\n(heavy-tailed weights); every MC "
-          "value lies between the two bounds, which are exact statements.")
+          "far beyond the SE mean the SE is unreliable\n(heavy-tailed weights). The upper "
+          "bound is exact; the lower bound is exact up to its (reliable) standard error.")
 
 
 if __name__ == "__main__":
