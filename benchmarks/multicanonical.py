@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
-import numpyro.distributions as dist
 import optax
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
@@ -46,21 +45,6 @@ from numpyro_tempering.models.regression import hierarchical_regression, regress
 from numpyro_tempering.objectives.multicanonical import record_temperatures
 
 
-def fmm_mvi_model(x, beta_z, num_components=8, pi=0.3, sigma_n=0.1, sigma_mu=0.35):
-    """The FMM with q(z_n) proportional to p(x_n, z_n | mu)^beta_z (as in
-    examples/fmm_multicanonical.py)."""
-    num_data, dim = x.shape
-    mu = numpyro.sample(
-        "mu", dist.Normal(0.0, sigma_mu).expand([num_components, dim]).to_event(2)
-    )
-    log_joint = fmm.FactorialMixture(mu, pi, sigma_n).config_log_joint(x)
-    log_q = jax.nn.log_softmax(beta_z * log_joint, axis=-1)
-    q = jnp.exp(log_q)
-    with numpyro.plate("data", num_data):
-        numpyro.factor("x_z", jnp.sum(q * log_joint, -1))
-        numpyro.factor("z_entropy", -jnp.sum(q * log_q, -1))
-
-
 def problems(key, num_temperatures):
     """(label, model, args, ladder, objective options) per problem."""
     ladder = Ladder.geometric(1.0, 10.0, num_temperatures)
@@ -69,12 +53,14 @@ def problems(key, num_temperatures):
     fmm_args = (x, 0.5)
     log_c = fmm.log_partition(jnp.asarray(ladder.temperatures), *x.shape, 0.3, 0.1)
     fmm_ladder = ladder.with_log_partition_values(
-        np.asarray(log_c), sizes=model_sizes(fmm_mvi_model, *fmm_args, exclude="z_entropy"))
+        np.asarray(log_c),
+        sizes=model_sizes(fmm.multicanonical_model, *fmm_args, exclude="z_entropy"),
+    )
     reg_args = regression_data(key)
     reg_ladder = ladder.with_log_partition(hierarchical_regression, key, *reg_args,
                                           num_samples=100)
     return [
-        ("FMM (N=1000, K=8, D=16)", fmm_mvi_model, fmm_args, fmm_ladder,
+        ("FMM (N=1000, K=8, D=16)", fmm.multicanonical_model, fmm_args, fmm_ladder,
          {"exclude": "z_entropy"}),
         ("regression (N=2000)", hierarchical_regression, reg_args, reg_ladder, {}),
     ]

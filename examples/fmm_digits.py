@@ -12,7 +12,7 @@ the paper). 500 images are held out.
   temperature=T_t)``, linear schedule T = 6 -> 1 (the paper's schedule for the faces);
 * **MVI**: ``MulticanonicalELBO`` with the paper's ladder (100 temperatures 1..10), log C in
   closed form (``fmm.log_partition``, consistent with the tempering applied: see
-  ``examples/fmm_multicanonical.py``, whose ``mvi_model`` is reused here);
+  ``examples/fmm_multicanonical.py``, both use ``fmm.multicanonical_model``);
 * **MVI+T1**: MVI's result continued for a few hundred plain-VI steps (T = 1) with MVI's
   optimiser state: on real data the learnt E[T] need not reach 1 (a misspecified model
   never fits the data as well as the model at T = 1 expects), and this separates "where MVI
@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -48,9 +46,6 @@ from numpyro_tempering import Ladder, MulticanonicalELBO, log_weights, temper
 from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
 from numpyro_tempering.objectives.multicanonical import RECORD, record_temperatures
-
-sys.path.insert(0, str(Path(__file__).parent))
-from fmm_multicanonical import mvi_model  # noqa: E402
 
 METHODS = ("VI", "AVI", "MVI", "MVI+T1")
 
@@ -155,7 +150,7 @@ def main() -> None:
     hyper = dict(num_components=args.components, pi=args.pi, sigma_n=args.sigma,
                  sigma_mu=args.sigma)
     model = functools.partial(fmm.collapsed_model, **hyper)
-    mvi = functools.partial(mvi_model, **hyper)
+    mvi = functools.partial(fmm.multicanonical_model, **hyper)
     num_train, dim = x_train.shape
 
     ladder = Ladder.geometric(1.0, 10.0, 100)

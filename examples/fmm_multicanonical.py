@@ -29,8 +29,9 @@ would need :math:`\int p(x_n\mid\mu)^{1/T} dx_n` of a 256-component mixture in 1
 dimensions, which depends on mu and has no closed form, so we do not use it.
 
 The M-ELBO (eq. 13) needs the expected tempered group :math:`\ell = \mathbb{E}_q[\log p(x, z
-\mid \mu)]` under a q(z), and the entropy of q(z) untempered. :func:`mvi_model` supplies
-both for the optimal local factor of the current effective inverse temperature
+\mid \mu)]` under a q(z), and the entropy of q(z) untempered.
+:func:`~numpyro_tempering.models.fmm.multicanonical_model` supplies both for the optimal
+local factor of the current effective inverse temperature
 :math:`\bar\beta = \mathbb{E}_{q(y)}[1/T_y]` (eq. 15-17, the local step of Algorithm 1),
 
 .. math::
@@ -47,9 +48,10 @@ update). At :math:`\bar\beta` the objective equals the jointly tempered ELBO tha
 optimises, :math:`\mathbb{E}_q[\log p(\mu) - \log q(\mu) + \sum_n \log \sum_z p(x_n, z\mid
 \mu)^{\bar\beta}]`, up to y-only terms -- so VI, AVI and MVI differ *only* in the inverse
 temperature schedule: 1, linear in T, or chosen by the data. The tempered group of
-:func:`mvi_model` is the expectation of exactly the tempered group of ``temper(fmm.model, T,
-latent="z")``, whose normaliser is ``fmm.log_partition``; the script checks this closed form
-against the package's generic estimator (``log_partition(..., latent="z")``) before fitting.
+:func:`~numpyro_tempering.models.fmm.multicanonical_model` is the expectation of
+exactly the tempered group of ``temper(fmm.model, T, latent="z")``, whose normaliser is
+``fmm.log_partition``; the script checks this closed form against the package's generic
+estimator (``log_partition(..., latent="z")``) before fitting.
 
 Evaluation: the ELBO at T = 1 (z summed out exactly; mean +- standard error over many
 particles from the log-weight engine), the exact log-likelihood log p(x | E_q[mu]) (z
@@ -73,8 +75,6 @@ import jax
 import jax.numpy as jnp
 import matplotlib
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 import optax
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
@@ -91,26 +91,6 @@ METHODS = ("VI", "AVI", "MVI", "MVI+T1")
 FITTED = METHODS[:3]
 COLOURS = {"VI": "tab:grey", "AVI": "tab:blue", "MVI": "tab:red", "MVI+T1": "tab:purple"}
 PI, SIGMA_N, SIGMA_MU, K = 0.3, 0.1, 0.35, 8
-
-
-def mvi_model(x, beta_z, num_components=K, pi=PI, sigma_n=SIGMA_N, sigma_mu=SIGMA_MU):
-    r"""The FMM with the local step done analytically at inverse temperature ``beta_z``.
-
-    ``x_z`` (tempered): :math:`\mathbb{E}_{q(z_n)}[\log p(x_n, z_n \mid \mu)]`;
-    ``z_entropy`` (excluded from tempering): :math:`H[q(z_n)]`; with
-    :math:`q(z_n = c) \propto p(x_n, c \mid \mu)^{\beta_z}` over all 2^K configurations.
-    At ``beta_z = 1`` the two factors add up to log p(x_n | mu) exactly.
-    """
-    num_data, dim = x.shape
-    mu = numpyro.sample(
-        "mu", dist.Normal(0.0, sigma_mu).expand([num_components, dim]).to_event(2)
-    )
-    log_joint = fmm.FactorialMixture(mu, pi, sigma_n).config_log_joint(x)  # (N, 2^K)
-    log_q = jax.nn.log_softmax(beta_z * log_joint, axis=-1)
-    q = jnp.exp(log_q)
-    with numpyro.plate("data", num_data):
-        numpyro.factor("x_z", jnp.sum(q * log_joint, -1))
-        numpyro.factor("z_entropy", -jnp.sum(q * log_q, -1))
 
 
 def parse_args() -> argparse.Namespace:
@@ -159,7 +139,7 @@ def make_ladder(args, x) -> Ladder:
     if not np.allclose(generic.log_c, closed, rtol=1e-4, atol=1e-2):
         raise AssertionError(f"log C mismatch: closed form {closed[-1]}, generic "
                              f"{float(generic.log_c[-1])} at T = {args.t_max}")
-    sizes = model_sizes(mvi_model, x, 1.0, exclude="z_entropy")
+    sizes = model_sizes(fmm.multicanonical_model, x, 1.0, exclude="z_entropy")
     return ladder.with_log_partition_values(closed, sizes=sizes)
 
 
@@ -168,12 +148,16 @@ def build(args, x, ladder):
     optim = optax.adam(optax.cosine_decay_schedule(args.lr, args.steps, alpha=0.05), b2=0.99)
     guides = {"VI": AutoNormal(fmm.collapsed_model, init_scale=0.1),
               "AVI": AutoNormal(fmm.collapsed_model, init_scale=0.1),
-              "MVI": AutoNormal(mvi_model, init_scale=0.1)}
+              "MVI": AutoNormal(fmm.multicanonical_model, init_scale=0.1)}
     svis = {
         "VI": SVI(fmm.collapsed_model, guides["VI"], optim, Trace_ELBO()),
         "AVI": SVI(fmm.collapsed_model, guides["AVI"], optim, Trace_ELBO()),
-        "MVI": SVI(record_temperatures(mvi_model, ladder, args.steps), guides["MVI"], optim,
-                   MulticanonicalELBO(ladder, exclude="z_entropy")),
+        "MVI": SVI(
+            record_temperatures(fmm.multicanonical_model, ladder, args.steps),
+            guides["MVI"],
+            optim,
+            MulticanonicalELBO(ladder, exclude="z_entropy"),
+        ),
     }
     frac = jnp.clip(jnp.arange(args.steps) / args.anneal_steps, 0.0, 1.0)
     avi_temperatures = args.t0 + (1.0 - args.t0) * frac

@@ -330,3 +330,17 @@ def test_temper_joint_equals_the_jointly_tempered_collapsed_model(T):
     via_handler = log_density(temper(fmm.collapsed_model, T, joint=True), (data.x,), {}, params)
     by_hand = log_density(fmm.collapsed_model, (data.x,), {"temperature": T}, params)
     np.testing.assert_allclose(via_handler[0], by_hand[0], rtol=2e-5)
+
+
+def test_multicanonical_model_at_beta_one_is_the_collapsed_likelihood():
+    # E_q[log p(x, z)] + H[q] = log sum_z p(x, z) when q(z) is proportional to p(x, z)
+    data = fmm.make_toy_data(jax.random.PRNGKey(4), 15)
+    params = {"mu": data.mu}
+    mvi = log_density(fmm.multicanonical_model, (data.x, 1.0), {}, params)[0]
+    collapsed = log_density(fmm.collapsed_model, (data.x,), {}, params)[0]
+    np.testing.assert_allclose(mvi, collapsed, rtol=1e-5)
+    # any other q(z) gives a lower bound (Jensen); a near-uniform q(z) a much lower one
+    hotter = log_density(fmm.multicanonical_model, (data.x, 0.3), {}, params)[0]
+    assert float(hotter) <= float(collapsed) + 1e-4
+    flat = log_density(fmm.multicanonical_model, (data.x, 0.01), {}, params)[0]
+    assert float(flat) < float(collapsed) - 1.0

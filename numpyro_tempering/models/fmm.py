@@ -92,6 +92,7 @@ __all__ = [
     "make_toy_data",
     "match_components",
     "model",
+    "multicanonical_model",
     "toy_components",
 ]
 
@@ -567,6 +568,38 @@ def collapsed_model(
 
 
 # -- comparing features -----------------------------------------------------------------------
+def multicanonical_model(
+    x: jax.typing.ArrayLike,
+    beta_z: jax.typing.ArrayLike,
+    num_components: int = 8,
+    pi: jax.typing.ArrayLike = 0.3,
+    sigma_n: jax.typing.ArrayLike = 0.1,
+    sigma_mu: jax.typing.ArrayLike = 0.35,
+) -> None:
+    r"""The FMM with the local step done analytically at inverse temperature ``beta_z``.
+
+    For multicanonical VI (annealed-and-multicanonical-vi, eq. 13 and Algorithm 1): with
+    :math:`q(z_n = c) \propto p(x_n, c \mid \mu)^{\beta_z}` over all 2^K configurations,
+
+    * ``x_z`` (to be tempered): :math:`\mathbb{E}_{q(z_n)}[\log p(x_n, z_n \mid \mu)]`, the
+      expectation of exactly what ``temper(model, T, latent="z")`` tempers, so
+      :func:`log_partition` is its normaliser;
+    * ``z_entropy`` (exclude it from tempering): :math:`H[q(z_n)]`.
+
+    At ``beta_z = 1`` the two factors add up to log p(x_n | mu) exactly. Use with
+    ``MulticanonicalELBO(ladder, exclude="z_entropy")`` and ``beta_z`` the previous step's
+    :math:`\mathbb{E}_{q(y)}[1/T_y]`.
+    """
+    num_data, dim = jnp.shape(x)
+    mu = _prior(num_components, dim, sigma_mu)
+    log_joint = FactorialMixture(mu, pi, sigma_n).config_log_joint(x)  # (N, 2^K)
+    log_q = jax.nn.log_softmax(beta_z * log_joint, axis=-1)
+    q = jnp.exp(log_q)
+    with numpyro.plate("data", num_data):
+        numpyro.factor("x_z", jnp.sum(q * log_joint, -1))
+        numpyro.factor("z_entropy", -jnp.sum(q * log_q, -1))
+
+
 def match_components(estimated: jax.typing.ArrayLike, truth: jax.typing.ArrayLike) -> np.ndarray:
     """The permutation of estimated components that best matches the true ones.
 
