@@ -1,52 +1,66 @@
 """The ``temper`` effect handler: raise chosen sites' densities to the power 1/T.
 
-Annealed VI (Mandt et al., annealed-and-multicanonical-vi, eq. 4 and 7) tempers the
-*likelihood* and keeps the prior:
+Annealed VI (Mandt et al. 2016, eq. 4 and 7) tempers the *likelihood* and keeps the prior:
 
     p(beta, z, x | T) = p(beta) p(x, z | beta)^(1/T) / C(T).
 
-``temper`` implements the unnormalised part of this by multiplying the ``scale`` of the
-selected sample sites by 1/T. Every NumPyro consumer of a trace (``Trace_ELBO``,
-``log_density``, the MCMC potential, ``Predictive``'s log-likelihoods) reads ``scale``, so
-they all see the tempered density. Scales compose multiplicatively, so ``temper`` stacks with
-``handlers.scale``, subsampled ``plate`` s and with itself.
+``temper`` implements the unnormalised part of this by replacing the distribution of every
+selected sample site by :class:`Tempered` (``log_prob = log_prob_base / T``). The site's
+``scale`` is left alone, so tempering composes with everything that reads a site's density:
+``Trace_ELBO``, ``TraceEnum_ELBO`` (which requires enumerated sites to share one scalar
+scale), ``TraceMeanField_ELBO``, ``log_density``, the MCMC potential and
+``numpyro.infer.util.log_likelihood`` (so ``Predictive``'s log-likelihoods are the tempered
+ones). Scales from subsampled plates and ``handlers.scale`` multiply the tempered density
+as usual; ``temper`` stacks with itself (temperatures multiply).
 
 Which sites are tempered
 ------------------------
-* ``sites=None`` (default): every *observed* sample site, i.e. the likelihood. This includes
-  ``numpyro.factor`` sites, because NumPyro records a factor as an observed site of a
-  ``Unit`` distribution and factors are how custom likelihoods are written. A factor that is
-  really part of the prior (a penalty, a Jacobian adjustment) can be left untempered with
-  ``exclude=("name",)``. Sites made observed by ``handlers.condition`` count as data too.
+* ``sites=None`` (default): every sample site *the user's model observes*, i.e. the
+  likelihood: sites with ``obs=``, sites made observed by ``handlers.condition`` (inside or
+  outside ``temper``: both orders give the same density) and ``numpyro.factor`` sites
+  written in the model (NumPyro records a factor as an observed site, and factors are how
+  custom likelihoods are written). A factor that is really part of the prior (a penalty)
+  can be left untempered with ``exclude=("name",)``.
+* **Never** sites that NumPyro or another handler adds while processing a model site: the
+  log-det-Jacobian factors of MCMC's potential (``_tau_log_det``), and auxiliary sites that
+  reparameterisers outside ``temper`` create. They are recognised by where they come from (a
+  site emitted while another site's message is being handled), not by their names.
 * ``latent=("z",)``: additionally temper these latent sites. The paper tempers
   p(x_i, z_i | beta) jointly: tempering the local latents is what flattens the objective for
   discrete locals (e.g. the topic assignments of LDA or the FMM's feature indicators).
+  Tempering a latent changes only its density, not how it is sampled (``Predictive`` and
+  the prior draw from the untempered distribution); under MCMC the Jacobian of its
+  constraining transform is not tempered, as it must not be.
 * ``sites=("x", "z")`` or ``sites=callable``: take full control, by names or with a
   predicate ``msg -> bool`` on NumPyro's site message.
 * ``joint=True``: where a discrete local has been summed out of the model, so that an
   observed site's distribution is a mixture p(x_n | beta) = sum_k p(x_n, z_n = k | beta)
   (NumPyro's ``MixtureSameFamily``/``MixtureGeneral``, or any distribution with
   ``component_log_probs(value)`` returning log p(x, z = k) on a last axis), temper the joint
-  before the sum, as the paper does: log sum_k p(x_n, z_n = k | beta)^(1/T). Scaling the
-  site instead tempers the marginal, (1/T) log sum_k p(x_n, z_n = k | beta), a different
-  (flatter-in-z, sharper-in-beta) objective. Selected sites without components are tempered
-  through ``scale`` as usual, which is the same thing when there is no local to sum.
+  before the sum, as the paper does: log sum_k p(x_n, z_n = k | beta)^(1/T). Tempering the
+  marginal instead gives (1/T) log sum_k p(x_n, z_n = k | beta), a different
+  (flatter-in-z, sharper-in-beta) objective. With an *enumerated* local
+  (``TraceEnum_ELBO``), ``latent="z"`` is the joint tempering: both p(z) and p(x | z) are
+  raised to 1/T before the enumeration sums over z.
 
 Every name given (in ``sites``, ``latent`` or ``exclude``) must exist in the model: a typo is
-reported with the list of sample sites that do exist, and a model in which nothing is
-selected is an error rather than a silent no-op.
+reported with the list of sample sites that do exist. A model in which nothing is selected
+(e.g. ``Predictive`` with the data set to ``None``) is simply not tempered.
 
 What T can be
 -------------
 * a Python/NumPy number or a concrete array (validated: finite and > 0);
-* a traced JAX value, so T can change under ``jax.jit`` / ``jax.vmap`` without retracing;
+* a traced JAX value, so T can change under ``jax.jit`` / ``jax.vmap`` without retracing; a
+  traced T that is not finite and > 0 gives NaN densities (never a finite number);
 * an array broadcastable to a site's batch shape (per-datapoint temperatures in a plate);
-* a schedule ``step -> T`` (see :mod:`numpyro_tempering.schedules`). The step counter is
-  kept in a ``numpyro.mutable`` site (``clock``, a dict ``{"step", "temperature"}``), the one
+* a schedule ``step -> T`` (see :mod:`numpyro_tempering.schedules`), validated when the
+  handler is built (:func:`~numpyro_tempering.schedules.validate`). The step counter is kept
+  in a ``numpyro.mutable`` site (``clock``, a dict ``{"step", "temperature"}``), the one
   piece of state stock :class:`numpyro.infer.SVI` carries from one update to the next. It
   advances by one each time the model runs with a clock value supplied by SVI, so
-  ``svi.run`` anneals inside one compiled step. (NumPyro's ``Trace_ELBO`` drops mutable state
-  when ``num_particles > 1``; :class:`~numpyro_tempering.TemperedELBO` keeps it.)
+  ``svi.run`` anneals inside one compiled step. Without SVI's state (``log_density``,
+  ``Predictive``) the schedule is read at step 0. MCMC has no optimisation step, so a
+  schedule under MCMC is an error.
 
 Temperatures below 1 are allowed here when passed explicitly (they sharpen the likelihood);
 the schedule constructors refuse them unless asked.
@@ -54,7 +68,6 @@ the schedule constructors refuse them unless asked.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -62,11 +75,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
+from numpyro import handlers as _handlers
 from numpyro.distributions import Distribution, ExpandedDistribution
-from numpyro.primitives import Messenger, mutable
+from numpyro.primitives import _PYRO_STACK, Messenger, mutable
 from numpyro.util import not_jax_tracer
 
-__all__ = ["temper", "JointlyTempered", "TEMPERED", "DEFAULT_CLOCK"]
+from numpyro_tempering import schedules as _schedules
+
+try:  # NumPyro >= 0.19: the handler the MCMC potential substitutes unconstrained values with
+    from numpyro.infer.util import _unconstrain_params
+except ImportError:  # pragma: no cover - older NumPyro
+    _unconstrain_params = None
+from numpyro.infer.util import _unconstrain_reparam
+
+__all__ = ["temper", "Tempered", "JointlyTempered", "TEMPERED", "DEFAULT_CLOCK"]
 
 #: Key set to ``True`` in ``msg["infer"]`` for every site a ``temper`` handler tempers.
 TEMPERED = "tempered"
@@ -101,14 +123,109 @@ def check_temperature(temperature: Any, name: str = "temperature") -> None:
         raise ValueError(f"`{name}` must be finite and > 0, got {bad}.")
 
 
+def inverse_temperature(temperature: Any) -> Any:
+    """1/T; NaN wherever a traced T is not finite and > 0 (a concrete T is checked instead)."""
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+        check_temperature(temperature)
+        return 1.0 / temperature
+    t = jnp.asarray(temperature)
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+        t = t.astype(jnp.result_type(float))
+    if not_jax_tracer(t):
+        check_temperature(t)
+        return 1.0 / t
+    return jnp.where(jnp.isfinite(t) & (t > 0), 1.0 / t, jnp.nan)
+
+
+def _is_one(beta: Any) -> bool:
+    """Whether a concrete inverse temperature is exactly 1 everywhere (nothing to scale)."""
+    if isinstance(beta, (int, float)):
+        return beta == 1.0
+    return not_jax_tracer(beta) and bool(np.all(np.asarray(beta) == 1.0))
+
+
+class Tempered(Distribution):
+    r"""A distribution whose density is raised to the power :math:`\beta = 1/T`.
+
+    ``log_prob(x) = beta * base.log_prob(x)`` (unnormalised in x, like every tempered
+    site: Mandt et al. 2016, eq. 4). Sampling, support, shapes and enumeration are the base
+    distribution's, so the site keeps working under MCMC (same support and bijection),
+    ``Predictive`` (draws from the untempered base) and enumeration (same support). ``beta``
+    broadcasts against the batch shape (per-datapoint temperatures).
+
+    Example:
+        >>> import numpyro.distributions as dist
+        >>> d = Tempered(dist.Normal(0.0, 1.0), 0.5)
+        >>> float(d.log_prob(1.0)) == 0.5 * float(dist.Normal(0.0, 1.0).log_prob(1.0))
+        True
+    """
+
+    arg_constraints: dict = {}
+    pytree_data_fields = ("base_dist", "inv_temperature")
+
+    def __init__(self, base_dist: Distribution, inv_temperature: jax.typing.ArrayLike) -> None:
+        if isinstance(base_dist, Tempered):  # stacked handlers: the powers multiply
+            inv_temperature = base_dist.inv_temperature * inv_temperature
+            base_dist = base_dist.base_dist
+        self.base_dist = base_dist
+        self.inv_temperature = inv_temperature
+        super().__init__(base_dist.batch_shape, base_dist.event_shape, validate_args=False)
+
+    @property
+    def support(self):
+        return self.base_dist.support
+
+    @property
+    def has_enumerate_support(self) -> bool:
+        return self.base_dist.has_enumerate_support
+
+    @property
+    def is_discrete(self) -> bool:
+        return self.base_dist.is_discrete
+
+    @property
+    def has_rsample(self) -> bool:
+        return self.base_dist.has_rsample
+
+    def rsample(self, key, sample_shape=()):
+        return self.base_dist.rsample(key, sample_shape)
+
+    def sample(self, key, sample_shape=()):
+        return self.base_dist.sample(key, sample_shape)
+
+    def sample_with_intermediates(self, key, sample_shape=()):
+        return self.base_dist.sample_with_intermediates(key, sample_shape)
+
+    def enumerate_support(self, expand: bool = True):
+        return self.base_dist.enumerate_support(expand=expand)
+
+    def log_prob(self, value, intermediates=None):
+        if intermediates is None:
+            log_prob = self.base_dist.log_prob(value)
+        else:
+            log_prob = self.base_dist.log_prob(value, intermediates)
+        return self.inv_temperature * log_prob
+
+    @property
+    def mean(self):
+        return self.base_dist.mean
+
+    @property
+    def variance(self):
+        return self.base_dist.variance
+
+
 class JointlyTempered(Distribution):
     """A mixture whose summed-out local is tempered jointly with the data (``temper(joint=True)``).
 
     ``log_prob(x) = logsumexp(component_log_probs(x) / T, -1)``, where ``component_log_probs``
     are the base distribution's log p(x, z = k) for every value k of the summed-out local
-    (annealed-and-multicanonical-vi, eq. 4 with p(x_n, z_n | beta)^(1/T)). Unnormalised in x,
-    like every tempered site; ``sample`` draws from the untempered base.
+    (Mandt et al. 2016, eq. 4 with p(x_n, z_n | beta)^(1/T)). Unnormalised in x, like every
+    tempered site; ``sample`` draws from the untempered base.
     """
+
+    arg_constraints: dict = {}
+    pytree_data_fields = ("base", "inv_temperature")
 
     def __init__(self, base: Distribution, inv_temperature: jax.typing.ArrayLike) -> None:
         self.base = base
@@ -140,6 +257,17 @@ def mixture_of(fn: Distribution) -> Distribution | None:
     return fn if hasattr(fn, "component_log_probs") else None
 
 
+def under_mcmc() -> bool:
+    """Whether the model runs inside NumPyro's MCMC potential (unconstrained substitution)."""
+    for handler in _PYRO_STACK:
+        if _unconstrain_params is not None and isinstance(handler, _unconstrain_params):
+            return True
+        fn = getattr(handler, "substitute_fn", None)
+        if getattr(fn, "func", None) is _unconstrain_reparam:
+            return True
+    return False
+
+
 class temper(Messenger):
     """Temper the selected sites of a model: log p_i -> log p_i / T.
 
@@ -147,12 +275,13 @@ class temper(Messenger):
         fn: the model (omit to use as a decorator factory or context manager).
         temperature: T > 0: a number, a (traced) array broadcastable to each selected site's
             batch shape, or a schedule ``step -> T``.
-        sites: ``None`` for all observed sites (the likelihood, including ``numpyro.factor``
-            sites), a name or collection of names, or a predicate on the site message.
+        sites: ``None`` for all sites the model observes (the likelihood, including
+            ``numpyro.factor`` sites), a name or collection of names, or a predicate on the
+            site message.
         latent: latent site names to temper in addition to the default selection.
         exclude: site names never to temper (e.g. a factor that belongs to the prior).
         joint: temper mixtures over a summed-out local jointly, p(x, z)^(1/T) inside the sum
-            (see the module docstring); default ``False`` tempers every site through ``scale``.
+            (see the module docstring); default ``False`` tempers the site's density.
         clock: name of the mutable site holding a schedule's step counter.
 
     Example:
@@ -184,16 +313,11 @@ class temper(Messenger):
         self.joint = bool(joint)
         self.schedule = temperature if callable(temperature) else None
         if self.schedule is not None:
-            first = self.schedule(0)
-            if not_jax_tracer(first) and (
-                np.ndim(first) != 0 or not math.isfinite(float(first)) or float(first) <= 0
-            ):
-                raise ValueError(
-                    f"schedule `temperature` must return a finite scalar > 0; at step 0 it "
-                    f"returned {first!r}."
-                )
+            _schedules.validate(self.schedule, name="temperature schedule")
         else:
             check_temperature(temperature)
+        if not isinstance(clock, str):
+            raise TypeError(f"`clock` must be a site name (str), got {clock!r}.")
         self.temperature = temperature
         self._predicate: Selector | None = sites if callable(sites) else None
         self._sites = None if callable(sites) or sites is None else _names(sites, "sites")
@@ -202,12 +326,18 @@ class temper(Messenger):
         self.clock = clock
         self._inv_temperature: Any = None
         self._seen: set[str] = set()
-        self._num_tempered = 0
+        self._tempered: set[str] = set()
+        self._depth = 0
         super().__init__(fn)
 
     # -- selection -----------------------------------------------------------------------
     def selects(self, msg: dict) -> bool:
-        """Whether this handler tempers the sample site described by ``msg``."""
+        """Whether this handler tempers the sample site described by ``msg``.
+
+        ``msg`` is a site of the user's model (auxiliary sites never reach this test). A
+        site counts as observed if it is, or if a ``condition`` handler outside this one
+        will condition it.
+        """
         name = msg["name"]
         if name in self._exclude:
             return False
@@ -216,16 +346,53 @@ class temper(Messenger):
         elif self._sites is not None:
             chosen = name in self._sites
         else:
-            chosen = bool(msg.get("is_observed"))
+            chosen = bool(msg.get("is_observed")) or self._conditioned_outside(msg)
         return chosen or name in self._latent
+
+    def _outer_handlers(self) -> list:
+        for i, handler in enumerate(_PYRO_STACK):
+            if handler is self:
+                return _PYRO_STACK[:i]
+        return []
+
+    def _conditioned_outside(self, msg: dict) -> bool:
+        for handler in self._outer_handlers():
+            if not isinstance(handler, _handlers.condition):
+                continue
+            if handler.data is not None and msg["name"] in handler.data:
+                return True
+            if handler.condition_fn is not None and handler.condition_fn(msg) is not None:
+                return True
+        return False
+
+    def _check_not_reparameterised_outside(self, msg: dict) -> None:
+        for handler in self._outer_handlers():
+            if not isinstance(handler, _handlers.reparam):
+                continue
+            config = handler.config
+            found = config.get(msg["name"]) if isinstance(config, dict) else config(msg)
+            if found is not None:
+                raise ValueError(
+                    f"temper: latent site '{msg['name']}' is tempered inside a `reparam` "
+                    "handler that reparameterises it; the reparameteriser would see the "
+                    "tempered distribution. Put `reparam` inside `temper` and temper the "
+                    "site it creates (e.g. latent='<name>_decentered'), or do not temper it."
+                )
 
     # -- temperature ---------------------------------------------------------------------
     def _start(self) -> None:
         self._seen = set()
-        self._num_tempered = 0
+        self._tempered = set()
+        self._depth = 0
         if self.schedule is None:
             temperature = self.temperature
         else:
+            if under_mcmc():
+                raise ValueError(
+                    "temper: an annealing schedule under MCMC. MCMC has no optimisation step "
+                    "for the schedule's clock to follow (it would run at schedule(0) "
+                    "throughout); give MCMC a fixed temperature: temper(model, T)."
+                )
             fresh = {"step": jnp.zeros((), jnp.int32), "temperature": self._at(0)}
             state = mutable(self.clock, fresh)
             if state is None:  # no handler records mutable state: evaluate at step 0
@@ -234,9 +401,7 @@ class temper(Messenger):
             if state is not fresh:  # SVI supplied the clock: advance it for the next update
                 state["step"] = state["step"] + 1
                 state["temperature"] = temperature
-        self._inv_temperature = 1.0 / (
-            temperature if isinstance(temperature, (int, float)) else jnp.asarray(temperature)
-        )
+        self._inv_temperature = inverse_temperature(temperature)
 
     def _at(self, step: jax.typing.ArrayLike) -> jax.Array:
         return jnp.asarray(self.schedule(step), dtype=jnp.result_type(float))
@@ -259,41 +424,48 @@ class temper(Messenger):
                 f"temper: no sample site named {missing} in the model; its sample sites are "
                 f"{sorted(self._seen)}."
             )
-        if self._num_tempered == 0:
+
+    def _check_shape(self, msg: dict, beta: Any) -> None:
+        if jnp.ndim(beta) == 0:
+            return
+        batch_shape = tuple(msg["fn"].batch_shape)
+        try:
+            ok = jnp.broadcast_shapes(jnp.shape(beta), batch_shape) == batch_shape
+        except ValueError:
+            ok = False
+        if not ok:
             raise ValueError(
-                "temper: the model has nothing to temper (no observed site, and no site "
-                f"selected by `sites`/`latent`); its sample sites are {sorted(self._seen)}."
+                f"temper: `temperature` of shape {jnp.shape(beta)} does not broadcast to "
+                f"the batch shape {batch_shape} of site '{msg['name']}'."
             )
 
     def process_message(self, msg: dict) -> None:
-        if msg["type"] != "sample":
+        # A message that arrives while another one is being handled (between our
+        # process_message and postprocess_message of that one) was emitted by a handler,
+        # not by the model: MCMC's Jacobian factors, reparameterisers' auxiliary sites.
+        auxiliary = self._depth > 0
+        self._depth += 1
+        if msg["type"] != "sample" or auxiliary:
             return
         self._seen.add(msg["name"])
         if not self.selects(msg):
             return
         beta = self._inv_temperature
-        if jnp.ndim(beta) > 0:
-            batch_shape = tuple(msg["fn"].batch_shape)
-            try:
-                ok = jnp.broadcast_shapes(jnp.shape(beta), batch_shape) == batch_shape
-            except ValueError:
-                ok = False
-            if not ok:
-                raise ValueError(
-                    f"temper: `temperature` of shape {jnp.shape(beta)} does not broadcast to "
-                    f"the batch shape {batch_shape} of site '{msg['name']}'."
-                )
+        self._check_shape(msg, beta)
+        if not msg.get("is_observed") and msg["name"] in self._latent | (self._sites or set()):
+            self._check_not_reparameterised_outside(msg)
         if self.joint and mixture_of(msg["fn"]) is not None:
             msg["fn"] = JointlyTempered(msg["fn"], beta)
-        else:
-            msg["scale"] = beta if msg.get("scale") is None else beta * msg["scale"]
+        elif not _is_one(beta):
+            msg["fn"] = Tempered(msg["fn"], beta)
         msg["infer"] = {**(msg.get("infer") or {}), TEMPERED: True}
-        self._num_tempered += 1
+        self._tempered.add(msg["name"])
 
     def postprocess_message(self, msg: dict) -> None:
+        self._depth = max(self._depth - 1, 0)
         # ``replay`` (outside the model in every ELBO) replaces ``msg["infer"]`` with a copy of
         # the guide site's after this handler ran: mark that copy again. It is a fresh dict
         # that ``trace`` shares with the recorded site, so marking it in place is what the
         # recorded trace shows.
-        if msg["type"] == "sample" and self.selects(msg):
+        if msg["type"] == "sample" and self._depth == 0 and msg["name"] in self._tempered:
             msg["infer"][TEMPERED] = True

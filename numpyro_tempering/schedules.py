@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -29,7 +30,19 @@ import optax
 
 Schedule = Callable[[jax.typing.ArrayLike], jax.Array]
 
-__all__ = ["Schedule", "constant", "linear", "geometric", "from_ladder", "trajectory"]
+__all__ = [
+    "Schedule",
+    "constant",
+    "linear",
+    "geometric",
+    "from_ladder",
+    "trajectory",
+    "validate",
+]
+
+#: Steps at which :func:`validate` checks a schedule of unknown length: every step up to
+#: 2^12, then every power of two up to 2^30.
+PROBE_STEPS = np.concatenate([np.arange(4096), 2 ** np.arange(12, 31)]).astype(np.int32)
 
 
 def _check_temperature(value: float, name: str, allow_below_one: bool) -> float:
@@ -147,6 +160,54 @@ def from_ladder(
         raise ValueError("`weights` must be non-negative, sum to 1 and match `temperatures`.")
     start = float(np.sum(weights * temps))
     return linear(start, 1.0, num_steps, every=every)
+
+
+def validate(
+    schedule: Schedule, num_steps: int | None = None, *, name: str = "schedule"
+) -> None:
+    """Check a schedule before it is used: finite, > 0 at every step, and ending at T = 1.
+
+    The schedule is evaluated (vectorised) at steps ``0 .. num_steps - 1`` if ``num_steps``
+    is given, else at :data:`PROBE_STEPS` (every step up to 4096, then powers of two up to
+    2^30). A value that is not a finite scalar > 0 raises ``ValueError`` naming the first bad
+    step; a schedule whose last checked value is not 1 warns (``UserWarning``): the fit then
+    ends at the *tempered* model, not the model. (At run time, a traced T that is not finite
+    and > 0 makes the tempered densities NaN.)
+
+    Example:
+        >>> from numpyro_tempering import schedules
+        >>> schedules.validate(schedules.linear(10.0, 1.0, num_steps=100))
+        >>> try:
+        ...     schedules.validate(lambda step: 5.0 - step)
+        ... except ValueError as err:
+        ...     print(str(err).split("; ")[1])
+        at step 5 it returned 0.0.
+    """
+    steps = PROBE_STEPS if num_steps is None else np.arange(_check_steps(num_steps))
+    try:
+        values = np.asarray(jax.vmap(schedule)(jnp.asarray(steps)))
+    except Exception:  # not vectorisable (Python control flow on the step): step by step
+        steps = steps[:64] if num_steps is None else steps
+        values = np.asarray([np.asarray(schedule(int(s))) for s in steps])
+    if values.shape != steps.shape:
+        raise ValueError(
+            f"`{name}` must return a scalar temperature per step, got shape "
+            f"{values.shape[1:]} at step 0."
+        )
+    bad = ~(np.isfinite(values) & (values > 0))
+    if bad.any():
+        first = int(np.argmax(bad))
+        raise ValueError(
+            f"`{name}` must return a finite temperature > 0 at every step; at step "
+            f"{int(steps[first])} it returned {values[first]}."
+        )
+    if values[-1] != 1.0:
+        warnings.warn(
+            f"`{name}` ends at T = {values[-1]:g} (step {int(steps[-1])}), not at T = 1: the "
+            "fit then ends at the tempered model, not the model itself.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def trajectory(schedule: Schedule, num_steps: int) -> jax.Array:

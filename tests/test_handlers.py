@@ -119,7 +119,10 @@ def test_composes_with_subsampled_plate():
             numpyro.sample("x", dist.Normal(0.0, 1.0), obs=jnp.arange(4.0)[jnp.argsort(idx)])
 
     tr = handlers.trace(handlers.seed(temper(sub_model, 5.0), 0)).get_trace()
-    np.testing.assert_allclose(tr["x"]["scale"], 25.0 / 5.0, rtol=1e-6)
+    assert tr["x"]["scale"] == 25.0  # the subsample scale is untouched; the density is tempered
+    lp = log_density(handlers.seed(temper(sub_model, 5.0), 0), (), {}, {})[0]
+    x = tr["x"]["value"]
+    np.testing.assert_allclose(lp, 25.0 * dist.Normal(0.0, 1.0).log_prob(x).sum() / 5.0, rtol=1e-6)
 
 
 def test_composes_with_condition_and_seed():
@@ -176,19 +179,19 @@ def test_unknown_site_lists_the_sites_that_exist():
         logp(temper(model, 2.0, latent=("zz",)))
 
 
-def test_model_with_nothing_to_temper():
+def test_model_with_nothing_to_temper_is_not_tempered():
     def prior_only():
         numpyro.sample("mu", dist.Normal(0.0, 1.0))
 
-    with pytest.raises(ValueError, match="nothing to temper"):
-        logp(temper(prior_only, 2.0), {"mu": 0.0})
+    out = logp(temper(prior_only, 2.0), {"mu": 0.3})
+    np.testing.assert_allclose(out, dist.Normal(0.0, 1.0).log_prob(0.3), rtol=1e-6)
 
 
 def test_schedule_clock_reads_the_step_from_mutable_state():
     sched = schedules.linear(10.0, 1.0, num_steps=9)
     clock = {"_temper_clock": {"step": jnp.array(3), "temperature": jnp.array(0.0)}}
     tr = handlers.trace(handlers.substitute(temper(model, sched), {**PARAMS, **clock})).get_trace()
-    np.testing.assert_allclose(tr["x"]["scale"], 1.0 / 7.0, rtol=1e-6)
+    np.testing.assert_allclose(tr["x"]["fn"].inv_temperature, 1.0 / 7.0, rtol=1e-6)
     state = tr["_temper_clock"]["value"]
     assert int(state["step"]) == 4 and float(state["temperature"]) == pytest.approx(7.0)
     # without SVI's state (e.g. a bare log_density) the schedule starts at step 0

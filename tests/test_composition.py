@@ -1,0 +1,180 @@
+"""`temper` where it meets the rest of NumPyro: MCMC, Predictive, conditioning, reparam, schedules.
+
+Every test compares with an exact answer (conjugate posteriors, hand-written densities).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpyro import handlers
+from numpyro.infer import MCMC, NUTS, Predictive
+from numpyro.infer.reparam import LocScaleReparam
+from numpyro.infer.util import log_density, log_likelihood, potential_energy
+
+from numpyro_tempering import schedules, temper
+from numpyro_tempering.handlers import TEMPERED
+
+# Normal data with unknown precision tau ~ Gamma(A, B): the tempered posterior is conjugate,
+# p(tau | y, T) = Gamma(A + n / (2T), B + sum(y^2) / (2T)).
+A, B = 2.0, 1.5
+Y = jnp.array([0.8, -1.9, 2.4, 0.3, -0.7, 1.6, -2.2, 0.9])
+
+
+def precision_model(y=Y):
+    tau = numpyro.sample("tau", dist.Gamma(A, B))
+    with numpyro.plate("data", 8):
+        numpyro.sample("y", dist.Normal(0.0, 1.0 / jnp.sqrt(tau)), obs=y)
+
+
+def exact_posterior(T, tempered_prior=False):
+    a, b = A, B
+    if tempered_prior:  # Gamma(a, b)^(1/T) is Gamma((a - 1)/T + 1, b/T)
+        a, b = (a - 1.0) / T + 1.0, b / T
+    return a + Y.shape[0] / (2 * T), b + jnp.sum(Y**2) / (2 * T)
+
+
+@pytest.mark.parametrize("tempered_prior", [False, True])
+def test_mcmc_potential_tempers_the_likelihood_but_never_the_jacobian(tempered_prior):
+    # exact: potential(u) = -[log Gamma(tau) (/T) + lik / T + log |d tau / d u|], tau = e^u
+    T, u = 4.0, 0.3
+    latent = ("tau",) if tempered_prior else ()
+    pe = potential_energy(temper(precision_model, T, latent=latent), (), {}, {"tau": u})
+    tau = jnp.exp(u)
+    prior = dist.Gamma(A, B).log_prob(tau) / (T if tempered_prior else 1.0)
+    lik = dist.Normal(0.0, 1.0 / jnp.sqrt(tau)).log_prob(Y).sum() / T
+    np.testing.assert_allclose(pe, -(prior + lik + u), rtol=1e-6)
+
+
+def test_jacobian_factor_is_not_marked_tempered():
+    tr = handlers.trace(
+        handlers.substitute(
+            temper(precision_model, 4.0),
+            substitute_fn=lambda site: numpyro.infer.util._unconstrain_reparam(
+                {"tau": jnp.array(0.3)}, site
+            ),
+        )
+    ).get_trace()
+    assert "_tau_log_det" in tr
+    assert not tr["_tau_log_det"]["infer"].get(TEMPERED)
+    assert tr["y"]["infer"].get(TEMPERED)
+
+
+def test_nuts_samples_the_exact_tempered_posterior_of_a_constrained_latent():
+    T = 4.0
+    mcmc = MCMC(
+        NUTS(temper(precision_model, T)), num_warmup=300, num_samples=1500, progress_bar=False
+    )
+    mcmc.run(jax.random.PRNGKey(0))
+    tau = mcmc.get_samples()["tau"]
+    a, b = exact_posterior(T)
+    mean, sd = a / b, jnp.sqrt(a) / b
+    # 5 Monte Carlo standard errors, with a generous effective sample size of 300
+    assert abs(float(tau.mean() - mean)) < 5 * float(sd) / np.sqrt(300)
+
+
+def test_schedule_under_mcmc_is_refused():
+    model = temper(precision_model, schedules.linear(4.0, 1.0, num_steps=10))
+    with pytest.raises(ValueError, match="schedule under MCMC"):
+        MCMC(NUTS(model), num_warmup=2, num_samples=2, progress_bar=False).run(
+            jax.random.PRNGKey(0)
+        )
+
+
+def test_predictive_with_nothing_observed_runs_and_draws_the_untempered_prior():
+    draws = {"tau": jnp.array([1.0, 2.0, 3.0])}
+    pred = Predictive(temper(precision_model, 3.0), draws)(jax.random.PRNGKey(1), y=None)
+    plain = Predictive(precision_model, draws)(jax.random.PRNGKey(1), y=None)
+    np.testing.assert_array_equal(pred["y"], plain["y"])
+
+
+def test_log_likelihood_sees_the_tempered_density():
+    draws = {"tau": jnp.array([0.5, 2.0])}
+    T = jnp.array(3.0)
+    out = log_likelihood(temper(precision_model, T), draws)["y"]
+    exact = dist.Normal(0.0, 1.0 / jnp.sqrt(draws["tau"][:, None])).log_prob(Y) / T
+    np.testing.assert_allclose(out, exact, rtol=1e-6)
+
+
+def latent_y_model():
+    tau = numpyro.sample("tau", dist.Gamma(A, B))
+    with numpyro.plate("data", 8):
+        numpyro.sample("y", dist.Normal(0.0, 1.0 / jnp.sqrt(tau)))
+
+
+@pytest.mark.parametrize("order", ["condition_inside", "condition_outside"])
+def test_conditioned_sites_are_data_in_either_handler_order(order):
+    T = 2.5
+    if order == "condition_inside":
+        fn = temper(handlers.condition(latent_y_model, {"y": Y}), T)
+    else:
+        fn = handlers.condition(temper(latent_y_model, T), {"y": Y})
+    lp = log_density(fn, (), {}, {"tau": 1.3})[0]
+    lik = dist.Normal(0.0, 1.0 / jnp.sqrt(1.3)).log_prob(Y).sum()
+    np.testing.assert_allclose(lp, dist.Gamma(A, B).log_prob(1.3) + lik / T, rtol=1e-6)
+
+
+def test_condition_fn_outside_counts_too():
+    fn = handlers.condition(
+        temper(latent_y_model, 2.0),
+        condition_fn=lambda site: Y if site["name"] == "y" else None,
+    )
+    lp = log_density(fn, (), {}, {"tau": 1.3})[0]
+    lik = dist.Normal(0.0, 1.0 / jnp.sqrt(1.3)).log_prob(Y).sum()
+    np.testing.assert_allclose(lp, dist.Gamma(A, B).log_prob(1.3) + lik / 2.0, rtol=1e-6)
+
+
+def loc_model():
+    mu = numpyro.sample("mu", dist.Normal(1.0, 2.0))
+    numpyro.sample("x", dist.Normal(mu, 1.0), obs=0.5)
+
+
+def test_reparam_outside_temper_of_a_tempered_latent_is_refused():
+    fn = handlers.reparam(temper(loc_model, 2.0, latent="mu"), {"mu": LocScaleReparam(0.0)})
+    with pytest.raises(ValueError, match="'mu'.*reparam"):
+        log_density(handlers.seed(fn, 0), (), {}, {})
+
+
+def test_reparam_auxiliary_sites_are_never_tempered():
+    # reparam outside: its auxiliary site mu_decentered is emitted while `mu` is being handled
+    fn = handlers.reparam(temper(loc_model, 2.0), {"mu": LocScaleReparam(0.0)})
+    lp, tr = log_density(fn, (), {}, {"mu_decentered": 0.25})
+    mu = 1.0 + 2.0 * 0.25
+    prior, lik = dist.Normal(0.0, 1.0).log_prob(0.25), dist.Normal(mu, 1.0).log_prob(0.5)
+    np.testing.assert_allclose(lp, prior + lik / 2, rtol=1e-6)
+    assert not tr["mu_decentered"]["infer"].get(TEMPERED)
+    # reparam inside: the decentered site can be tempered by name
+    fn = temper(
+        handlers.reparam(loc_model, {"mu": LocScaleReparam(0.0)}), 2.0, latent="mu_decentered"
+    )
+    lp = log_density(fn, (), {}, {"mu_decentered": 0.25})[0]
+    np.testing.assert_allclose(lp, (prior + lik) / 2, rtol=1e-6)
+
+
+def test_traced_bad_temperature_gives_nan_not_a_number():
+    f = jax.jit(lambda T: log_density(temper(loc_model, T), (), {}, {"mu": 0.1})[0])
+    assert np.isfinite(f(2.0))
+    for bad in (0.0, -1.0, jnp.inf, jnp.nan):
+        assert np.isnan(f(bad)), bad
+
+
+def test_schedule_validation():
+    with pytest.raises(ValueError, match="at step 3"):
+        temper(loc_model, lambda step: 3.0 - step)
+    with pytest.warns(UserWarning, match="not at T = 1"):
+        temper(loc_model, schedules.linear(10.0, 2.0, num_steps=10))
+
+
+def test_substitute_param_and_deterministic_pass_through():
+    def model():
+        s = numpyro.param("s", 1.0, constraint=dist.constraints.positive)
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.deterministic("twice", 2 * mu)
+        numpyro.sample("x", dist.Normal(mu, s), obs=0.5)
+
+    lp, tr = log_density(temper(model, 2.0), (), {}, {"mu": 0.2, "s": 3.0})
+    expected = dist.Normal(0.0, 1.0).log_prob(0.2) + dist.Normal(0.2, 3.0).log_prob(0.5) / 2
+    np.testing.assert_allclose(lp, expected, rtol=1e-6)
+    assert float(tr["twice"]["value"]) == pytest.approx(0.4)
