@@ -178,3 +178,53 @@ def test_substitute_param_and_deterministic_pass_through():
     expected = dist.Normal(0.0, 1.0).log_prob(0.2) + dist.Normal(0.2, 3.0).log_prob(0.5) / 2
     np.testing.assert_allclose(lp, expected, rtol=1e-6)
     assert float(tr["twice"]["value"]) == pytest.approx(0.4)
+
+
+def test_annealed_wrapper_carries_the_clock_through_trace_enum_elbo():
+    from numpyro.contrib.funsor import config_enumerate
+    from numpyro.infer import TraceEnum_ELBO
+
+    from numpyro_tempering.objectives import Annealed
+
+    x = jnp.array([2.0, -2.1, 1.9])
+
+    @config_enumerate
+    def model():
+        loc = numpyro.sample("loc", dist.Normal(0.0, 5.0))
+        with numpyro.plate("data", 3):
+            z = numpyro.sample("z", dist.Bernoulli(0.3))
+            numpyro.sample("x", dist.Normal(jnp.where(z, loc, -loc), 1.0), obs=x)
+
+    def guide():
+        numpyro.sample("loc", dist.Normal(numpyro.param("m", 0.5), 0.1))
+
+    sched = schedules.linear(5.0, 1.0, num_steps=4)
+    annealed = temper(model, sched, latent="z")
+    params = {"m": jnp.array(0.7)}
+    key = jax.random.PRNGKey(3)
+    for step in range(6):
+        clock = {"_temper_clock": {"step": jnp.array(step), "temperature": jnp.array(0.0)}}
+        out = Annealed(TraceEnum_ELBO()).loss_with_mutable_state(
+            key, {**params, **clock}, annealed, guide
+        )
+        fixed = TraceEnum_ELBO().loss(
+            key, params, temper(model, float(sched(step)), latent="z"), guide
+        )
+        np.testing.assert_allclose(out["loss"], fixed, rtol=1e-6)
+        new = out["mutable_state"]["_temper_clock"]
+        assert int(new["step"]) == step + 1
+        np.testing.assert_allclose(new["temperature"], sched(step), rtol=1e-6)
+
+
+def test_annealed_wrapper_keeps_the_clock_of_trace_elbo_with_several_particles():
+    from numpyro.infer import SVI, Trace_ELBO
+
+    from numpyro_tempering.objectives import Annealed
+
+    def guide():
+        numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.0), 1.0))
+
+    model = temper(loc_model, schedules.linear(3.0, 1.0, num_steps=5))
+    svi = SVI(model, guide, numpyro.optim.Adam(0.01), Annealed(Trace_ELBO(num_particles=3)))
+    result = svi.run(jax.random.PRNGKey(0), 7, progress_bar=False)
+    assert int(result.state.mutable_state["_temper_clock"]["step"]) == 7

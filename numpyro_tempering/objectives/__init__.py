@@ -1,8 +1,16 @@
 """Objectives for :class:`numpyro.infer.SVI`, each a thin layer over the log-weight engine."""
 
+from numpyro_tempering.objectives.annealed import Annealed
 from numpyro_tempering.objectives.cubo import CUBO
 from numpyro_tempering.objectives.klpq import KLpq, stop_sample_gradients
 from numpyro_tempering.objectives.multicanonical import MulticanonicalELBO
 from numpyro_tempering.objectives.tempered import TemperedELBO
 
-__all__ = ["CUBO", "KLpq", "MulticanonicalELBO", "TemperedELBO", "stop_sample_gradients"]
+__all__ = [
+    "Annealed",
+    "CUBO",
+    "KLpq",
+    "MulticanonicalELBO",
+    "TemperedELBO",
+    "stop_sample_gradients",
+]
