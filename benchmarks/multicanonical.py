@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 from collections.abc import Callable
 
 import jax
@@ -37,6 +36,7 @@ import numpyro
 import optax
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
+from timing import interleaved, print_ratios
 
 from numpyro_tempering import Ladder, MulticanonicalELBO
 from numpyro_tempering.log_partition import model_sizes
@@ -87,36 +87,10 @@ def make_updates(model, args, ladder, options, num_particles, num_steps, key):
     return out
 
 
-def compile_steps(svi, args, num_steps):
-    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan."""
-
-    def run(state):
-        return jax.lax.scan(lambda s, _: svi.update(s, *args), state, None, num_steps)
-
-    return jax.jit(run)
-
-
-def time_steps(run, state, num_steps):
-    start = time.perf_counter()
-    state, losses = jax.block_until_ready(run(state))
-    if not np.all(np.isfinite(np.asarray(losses))):
-        raise FloatingPointError("non-finite loss during the benchmark")
-    return (time.perf_counter() - start) / num_steps, state
-
-
 def benchmark(model, args, ladder, options, num_particles, steps, repeats, key):
-    runs, states = {}, {}
     updates = make_updates(model, args, ladder, options, num_particles, steps * (repeats + 1),
                            key)
-    for name, (svi, state) in updates.items():
-        runs[name] = compile_steps(svi, args, steps)
-        _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            seconds, states[name] = time_steps(run, states[name], steps)
-            times[name].append(seconds)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return interleaved(updates, args, steps, repeats)
 
 
 def main() -> None:
@@ -142,13 +116,7 @@ def main() -> None:
         for num_particles in args.particles:
             result = benchmark(model, data, ladder, options, num_particles, args.steps,
                                args.repeats, key)
-            reference = result["Trace_ELBO"]
-            for name, seconds in result.items():
-                ratio = seconds / reference
-                if name != "Trace_ELBO":
-                    worst = max(worst, ratio)
-                print(f"{label:<24} {num_particles:>2}  {name:<24} {1e6 * seconds:>9.1f} "
-                      f"{ratio:>6.3f}")
+            worst = max(worst, print_ratios(label, num_particles, result, 24))
     print(f"worst ratio: {worst:.3f} (target <= 1.15)")
 
 

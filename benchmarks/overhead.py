@@ -20,15 +20,14 @@ Run: ``python benchmarks/overhead.py`` (about a minute on 2 CPU cores).
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import jax
-import numpy as np
 import numpyro
 import optax
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
+from timing import interleaved, print_ratios
 
 from numpyro_tempering import TemperedELBO, schedules, temper
 from numpyro_tempering.models import fmm
@@ -49,7 +48,7 @@ def make_updates(model, args, num_particles, key):
     optim = optax.adam(1e-3)
     configs = {
         "Trace_ELBO": (model, Trace_ELBO(num_particles=num_particles)),
-        "TemperedELBO(T=2)": (model, TemperedELBO(2.0, num_particles=num_particles)),
+        "TemperedELBO(T=2)": (model, TemperedELBO(num_particles=num_particles, temperature=2.0)),
         "TemperedELBO+schedule": (
             temper(model, schedules.linear(10.0, 1.0, 10_000)),
             TemperedELBO(num_particles=num_particles),
@@ -63,32 +62,8 @@ def make_updates(model, args, num_particles, key):
     return out
 
 
-def compile_steps(svi, args, num_steps):
-    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan."""
-
-    def run(state):
-        return jax.lax.scan(lambda s, _: svi.update(s, *args), state, None, num_steps)
-
-    return jax.jit(run)
-
-
-def time_steps(run, state, num_steps):
-    start = time.perf_counter()
-    state, losses = jax.block_until_ready(run(state))
-    return (time.perf_counter() - start) / num_steps, state
-
-
 def benchmark(model, args, num_particles, steps, repeats, key):
-    runs, states = {}, {}
-    for name, (svi, state) in make_updates(model, args, num_particles, key).items():
-        runs[name] = compile_steps(svi, args, steps)
-        _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
-    times = {name: [] for name in runs}
-    for _ in range(repeats):  # interleave the objectives within each repeat
-        for name, run in runs.items():
-            seconds, states[name] = time_steps(run, states[name], steps)
-            times[name].append(seconds)
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return interleaved(make_updates(model, args, num_particles, key), args, steps, repeats)
 
 
 def main() -> None:
@@ -103,22 +78,14 @@ def main() -> None:
         f"jax {jax.__version__}, numpyro {numpyro.__version__}, backend "
         f"{jax.default_backend()}; median of {args.repeats} x {args.steps} steps"
     )
-    header = f"{'model':<36} {'S':>2}  {'objective':<22} {'us/step':>9} {'ratio':>6}"
+    header = f"{'model':<36} {'S':>2}  {'objective':<24} {'us/step':>9} {'ratio':>6}"
     print(header)
     print("-" * len(header))
     worst = 0.0
     for label, (model, data) in problems(key).items():
         for num_particles in args.particles:
             result = benchmark(model, data, num_particles, args.steps, args.repeats, key)
-            reference = result["Trace_ELBO"]
-            for name, seconds in result.items():
-                ratio = seconds / reference
-                if name != "Trace_ELBO":
-                    worst = max(worst, ratio)
-                print(
-                    f"{label:<36} {num_particles:>2}  {name:<22} {1e6 * seconds:>9.1f} "
-                    f"{ratio:>6.3f}"
-                )
+            worst = max(worst, print_ratios(label, num_particles, result, 36))
     print(f"worst ratio: {worst:.3f} (target <= 1.03)")
 
 
