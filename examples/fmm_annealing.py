@@ -48,10 +48,11 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from fmm_common import batch_states, evaluate, plot_features, prior_inits, unstack_params, verdict
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
-from numpyro_tempering import TemperedELBO, log_weights, schedules, temper
+from numpyro_tempering import TemperedELBO, schedules, temper
 from numpyro_tempering.models import fmm
 
 matplotlib.use("Agg")
@@ -126,35 +127,6 @@ def make_fit(svi, guide, x, eval_every: int):
     return fit
 
 
-def evaluate(params, guide, x, truth, key, num_particles):
-    """Final ELBO at T = 1 (mean, standard error), log p(x | E[mu]) and component error."""
-    weights = log_weights(
-        key, params, temper(fmm.collapsed_model, 1.0), guide, (x,), num_particles=num_particles
-    )
-    log_w = np.asarray(weights.log_w)
-    if not np.all(np.isfinite(log_w)):
-        raise FloatingPointError(f"{np.sum(~np.isfinite(log_w))} non-finite log weights")
-    mu = params["mu_auto_loc"]
-    return {
-        "elbo": float(log_w.mean()),
-        "se": float(log_w.std(ddof=1) / np.sqrt(log_w.size)),
-        "loglik": float(fmm.FactorialMixture(mu).log_prob(x).sum()),
-        "error": fmm.component_error(mu, truth),
-        "mu": np.asarray(mu),
-    }
-
-
-def verdict(mine, ref):
-    margin = 3.0 * np.hypot(mine["se"], ref["se"])
-    return (
-        1
-        if mine["elbo"] > ref["elbo"] + margin
-        else -1
-        if mine["elbo"] < ref["elbo"] - margin
-        else 0
-    )
-
-
 def print_table(results, truth_loglik):
     names = "".join(f"{m:>11}" for m in METHODS)
     print()
@@ -204,23 +176,8 @@ def plot(args, results, traces, truth, temperatures):
     # the seed where the joint annealing gains most over VI
     gains = [r["AVI-joint"]["elbo"] - r["VI"]["elbo"] for r in results]
     seed = int(np.argmax(gains))
-    rows = [("truth", truth)] + [
-        (
-            f"{m}\nerr {results[seed][m]['error']:.3f}",
-            results[seed][m]["mu"][fmm.match_components(results[seed][m]["mu"], truth)],
-        )
-        for m in METHODS
-    ]
-    vmax = float(np.max(np.abs(truth)))
-    for i, (label, mu) in enumerate(rows):
-        sub = grid[i, 1].subgridspec(1, mu.shape[0], wspace=0.08)
-        for k in range(mu.shape[0]):
-            a = fig.add_subplot(sub[0, k])
-            a.imshow(mu[k].reshape(4, 4), cmap="RdBu_r", vmin=-vmax, vmax=vmax)
-            a.set_xticks([])
-            a.set_yticks([])
-            if k == 0:
-                a.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=9)
+    plot_features(fig, [grid[i, 1] for i in range(len(METHODS) + 1)], results[seed], METHODS,
+                  truth)
     fig.text(0.70, 0.97, f"features after matching to the truth (seed {seed})", ha="center")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110, bbox_inches="tight")
@@ -236,14 +193,10 @@ def main() -> None:
 
     keys = jax.random.split(jax.random.PRNGKey(1), args.seeds)
     # the same initial features per seed for every method: a draw from the prior
-    inits = [0.35 * jax.random.normal(jax.random.fold_in(k, 1), data.mu.shape) for k in keys]
+    inits = prior_inits(keys, data.mu.shape, 0.35)
     traces, finals = {}, {}
     for name, svi in svis.items():
-        states = [
-            svi.init(k, x, init_params={"mu_auto_loc": mu0})
-            for k, mu0 in zip(keys, inits, strict=True)
-        ]
-        batch = jax.tree.map(lambda *s: jnp.stack(s), *states)
+        batch = batch_states(svi, keys, inits, x)
         fit = make_fit(svi, guide, x, args.eval_every)
         t = time.perf_counter()
         final, trace = jax.jit(jax.vmap(fit, in_axes=(0, None)))(batch, temperatures)
@@ -252,9 +205,7 @@ def main() -> None:
             f"{name:>9}: {args.seeds} seeds x {args.steps} steps in {time.perf_counter() - t:.1f} s"
         )
         traces[name] = np.asarray(trace)
-        finals[name] = [
-            svi.get_params(jax.tree.map(lambda a, i=i: a[i], final)) for i in range(args.seeds)
-        ]
+        finals[name] = unstack_params(svi, final, args.seeds)
 
     eval_key = jax.random.PRNGKey(2)
     results = [

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from fmm_common import batch_states, make_step, prior_inits
 from jax.scipy.special import logsumexp
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
@@ -45,7 +46,7 @@ from numpyro.infer.autoguide import AutoNormal
 from numpyro_tempering import Ladder, MulticanonicalELBO, log_weights, temper
 from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
-from numpyro_tempering.objectives.multicanonical import RECORD, record_temperatures
+from numpyro_tempering.objectives.multicanonical import record_temperatures
 
 METHODS = ("VI", "AVI", "MVI", "MVI+T1")
 
@@ -93,18 +94,7 @@ def parse_args() -> argparse.Namespace:
 def make_fit(name, svi, x, inv_t):
     """(state, AVI temperatures) -> (final state, E[T] per step)."""
 
-    def step(carry, temperature):
-        state, beta = carry
-        if name == "VI":
-            state, _ = svi.update(state, x)
-            return (state, beta), 1.0
-        if name == "AVI":
-            state, _ = svi.update(state, x, temperature=temperature)
-            return (state, beta), temperature
-        state, _ = svi.update(state, x, beta)
-        record = state.mutable_state[RECORD]
-        probs = record["probs"][record["step"] - 1]
-        return (state, jnp.dot(probs, inv_t)), jnp.dot(probs, 1.0 / inv_t)
+    step = make_step(name, svi, x, inv_t)
 
     def fit(state, temperatures):
         (state, _), mean_t = jax.lax.scan(step, (state, jnp.mean(inv_t)), temperatures)
@@ -173,7 +163,7 @@ def main() -> None:
 
     keys = jax.random.split(jax.random.PRNGKey(1), args.seeds)
     mu_shape = (args.components, dim)
-    inits = [args.sigma * jax.random.normal(jax.random.fold_in(k, 1), mu_shape) for k in keys]
+    inits = prior_inits(keys, mu_shape, args.sigma)
     init_args = {"VI": (x_train,), "AVI": (x_train,), "MVI": (x_train, 1.0)}
     print(f"digits: {num_train} training / {x_test.shape[0]} held-out images, D = {dim}, "
           f"K = {args.components}, pi = {args.pi}, sigma_n = sigma_mu = {args.sigma}")
@@ -187,9 +177,7 @@ def main() -> None:
             batch = finals["MVI"]._replace(mutable_state=None)
             temps, fit = jnp.ones(args.polish_steps), make_fit("VI", svi, x_train, inv_t)
         else:
-            batch = jax.tree.map(lambda *s: jnp.stack(s), *[
-                svi.init(k, *init_args[name], init_params={"mu_auto_loc": mu0})
-                for k, mu0 in zip(keys, inits, strict=True)])
+            batch = batch_states(svi, keys, inits, *init_args[name])
             temps, fit = avi_temps, make_fit(name, svi, x_train, inv_t)
         t = time.perf_counter()
         final, mean_t = jax.jit(jax.vmap(fit, in_axes=(0, None)))(batch, temps)

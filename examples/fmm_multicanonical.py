@@ -76,13 +76,22 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
+from fmm_common import (
+    batch_states,
+    evaluate,
+    make_step,
+    plot_features,
+    prior_inits,
+    unstack_params,
+    verdict,
+)
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
-from numpyro_tempering import Ladder, MulticanonicalELBO, log_partition, log_weights, temper
+from numpyro_tempering import Ladder, MulticanonicalELBO, log_partition
 from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
-from numpyro_tempering.objectives.multicanonical import RECORD, record_temperatures
+from numpyro_tempering.objectives.multicanonical import record_temperatures
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -168,19 +177,7 @@ def make_fit(name, svi, eval_guide, x, inv_t, eval_every):
     """(state, AVI temperatures) -> (final state, ELBO at T = 1 every ``eval_every`` steps,
     E[T] per step)."""
     elbo = Trace_ELBO(num_particles=8)
-
-    def step(carry, temperature):
-        state, beta = carry
-        if name == "VI":
-            state, _ = svi.update(state, x)
-            return (state, beta), 1.0
-        if name == "AVI":
-            state, _ = svi.update(state, x, temperature=temperature)
-            return (state, beta), temperature
-        state, _ = svi.update(state, x, beta)  # MVI: q(z) at the current E[1/T]
-        record = state.mutable_state[RECORD]
-        probs = record["probs"][record["step"] - 1]  # q(y) of eq. 18, this step
-        return (state, jnp.dot(probs, inv_t)), jnp.dot(probs, 1.0 / inv_t)
+    step = make_step(name, svi, x, inv_t)  # MVI: q(z) at the current E[1/T]
 
     def chunk(carry, inputs):
         index, temps = inputs
@@ -197,30 +194,6 @@ def make_fit(name, svi, eval_guide, x, inv_t, eval_every):
         return state, trace, mean_t.reshape(-1)
 
     return fit
-
-
-def evaluate(params, guide, x, truth, key, num_particles):
-    """Final ELBO at T = 1 (mean, s.e.), log p(x | E[mu]) and component error."""
-    weights = log_weights(key, params, temper(fmm.collapsed_model, 1.0), guide, (x,),
-                          num_particles=num_particles)
-    log_w = np.asarray(weights.log_w)
-    if not np.all(np.isfinite(log_w)):
-        raise FloatingPointError(f"{np.sum(~np.isfinite(log_w))} non-finite log weights")
-    mu = params["mu_auto_loc"]
-    return {
-        "elbo": float(log_w.mean()),
-        "se": float(log_w.std(ddof=1) / np.sqrt(log_w.size)),
-        "loglik": float(fmm.FactorialMixture(mu, PI, SIGMA_N).log_prob(x).sum()),
-        "error": fmm.component_error(mu, truth),
-        "mu": np.asarray(mu),
-    }
-
-
-def verdict(mine, ref):
-    margin = 3.0 * np.hypot(mine["se"], ref["se"])
-    if mine["elbo"] > ref["elbo"] + margin:
-        return 1
-    return -1 if mine["elbo"] < ref["elbo"] - margin else 0
 
 
 def print_table(results, truth_loglik, final_t):
@@ -291,21 +264,8 @@ def plot(args, results, traces, mean_ts, truth):
 
     gains = [r["MVI"]["elbo"] - r["VI"]["elbo"] for r in results]
     seed = int(np.argmax(gains))
-    rows = [("truth", truth)] + [
-        (f"{m}\nerr {results[seed][m]['error']:.3f}",
-         results[seed][m]["mu"][fmm.match_components(results[seed][m]["mu"], truth)])
-        for m in METHODS
-    ]
-    vmax = float(np.max(np.abs(truth)))
-    for i, (label, mu) in enumerate(rows):
-        sub = grid[i, 2].subgridspec(1, mu.shape[0], wspace=0.08)
-        for k in range(mu.shape[0]):
-            a = fig.add_subplot(sub[0, k])
-            a.imshow(mu[k].reshape(4, 4), cmap="RdBu_r", vmin=-vmax, vmax=vmax)
-            a.set_xticks([])
-            a.set_yticks([])
-            if k == 0:
-                a.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=9)
+    plot_features(fig, [grid[i, 2] for i in range(len(METHODS) + 1)], results[seed], METHODS,
+                  truth)
     fig.text(0.74, 0.97, f"features after matching to the truth (seed {seed}: largest "
              "MVI gain)", ha="center")
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -321,7 +281,7 @@ def run_method(name, svi, batch, fit, temperatures, num_seeds):
     seconds = time.perf_counter() - t
     print(f"{name:>6}: {num_seeds} seeds x {temperatures.shape[0]} steps in {seconds:.1f} s "
           "(one compile)")
-    params = [svi.get_params(jax.tree.map(lambda a, i=i: a[i], final)) for i in range(num_seeds)]
+    params = unstack_params(svi, final, num_seeds)
     return params, np.asarray(trace), np.asarray(mean_t), final
 
 
@@ -338,14 +298,11 @@ def main() -> None:
 
     keys = jax.random.split(jax.random.PRNGKey(1), args.seeds)
     # the same initial features per seed for every method: a draw from the prior
-    inits = [SIGMA_MU * jax.random.normal(jax.random.fold_in(k, 1), data.mu.shape)
-             for k in keys]
+    inits = prior_inits(keys, data.mu.shape, SIGMA_MU)
     init_args = {"VI": (x,), "AVI": (x,), "MVI": (x, 1.0)}
     traces, mean_ts, finals, states = {}, {}, {}, {}
     for name, svi in svis.items():
-        batch = jax.tree.map(lambda *s: jnp.stack(s), *[
-            svi.init(k, *init_args[name], init_params={"mu_auto_loc": mu0})
-            for k, mu0 in zip(keys, inits, strict=True)])
+        batch = batch_states(svi, keys, inits, *init_args[name])
         fit = make_fit(name, svi, guides["VI"], x, inv_t, args.eval_every)
         finals[name], traces[name], mean_ts[name], states[name] = run_method(
             name, svi, batch, fit, avi_temperatures, args.seeds)
@@ -361,7 +318,8 @@ def main() -> None:
 
     eval_key = jax.random.PRNGKey(2)
     results = [
-        {m: evaluate(finals[m][s], guides["VI"], x, data.mu, eval_key, args.eval_particles)
+        {m: evaluate(finals[m][s], guides["VI"], x, data.mu, eval_key, args.eval_particles,
+                     PI, SIGMA_N)
          for m in METHODS}
         for s in range(args.seeds)
     ]

@@ -1,0 +1,102 @@
+"""What the factorial-mixture examples share: initial states, the VI/AVI/MVI update step,
+evaluation at T = 1, the seed-by-seed verdict and the feature pictures."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from numpyro_tempering import temper
+from numpyro_tempering.engine import log_weights
+from numpyro_tempering.models import fmm
+from numpyro_tempering.objectives.multicanonical import RECORD
+
+
+def prior_inits(keys, shape, scale: float) -> list:
+    """One draw of the features from the prior N(0, scale^2) per seed (same for every method)."""
+    return [scale * jax.random.normal(jax.random.fold_in(k, 1), shape) for k in keys]
+
+
+def batch_states(svi, keys, inits, *args):
+    """SVI states of all seeds stacked on a leading axis, each started at its prior draw."""
+    states = [
+        svi.init(k, *args, init_params={"mu_auto_loc": mu0})
+        for k, mu0 in zip(keys, inits, strict=True)
+    ]
+    return jax.tree.map(lambda *s: jnp.stack(s), *states)
+
+
+def unstack_params(svi, final, num_seeds: int) -> list[dict]:
+    """The constrained parameters of each seed from a stacked final state."""
+    return [svi.get_params(jax.tree.map(lambda a, i=i: a[i], final)) for i in range(num_seeds)]
+
+
+def make_step(name: str, svi, x, inv_t):
+    """``((state, E[1/T]), T) -> ((state, E[1/T]), temperature used)`` for VI, AVI or MVI.
+
+    VI ignores T; AVI passes it to the model (``temperature=``); MVI passes the current
+    effective inverse temperature and reads q(y) (eq. 18) of this step from the record.
+    """
+
+    def step(carry, temperature):
+        state, beta = carry
+        if name == "VI":
+            state, _ = svi.update(state, x)
+            return (state, beta), 1.0
+        if name == "AVI":
+            state, _ = svi.update(state, x, temperature=temperature)
+            return (state, beta), temperature
+        state, _ = svi.update(state, x, beta)
+        record = state.mutable_state[RECORD]
+        probs = record["probs"][record["step"] - 1]
+        return (state, jnp.dot(probs, inv_t)), jnp.dot(probs, 1.0 / inv_t)
+
+    return step
+
+
+def evaluate(params, guide, x, truth, key, num_particles, pi=0.3, sigma_n=0.1) -> dict:
+    """Final ELBO at T = 1 (mean, standard error), log p(x | E[mu]) and component error."""
+    weights = log_weights(
+        key, params, temper(fmm.collapsed_model, 1.0), guide, (x,), num_particles=num_particles
+    )
+    log_w = np.asarray(weights.log_w)
+    if not np.all(np.isfinite(log_w)):
+        raise FloatingPointError(f"{np.sum(~np.isfinite(log_w))} non-finite log weights")
+    mu = params["mu_auto_loc"]
+    return {
+        "elbo": float(log_w.mean()),
+        "se": float(log_w.std(ddof=1) / np.sqrt(log_w.size)),
+        "loglik": float(fmm.FactorialMixture(mu, pi, sigma_n).log_prob(x).sum()),
+        "error": fmm.component_error(mu, truth),
+        "mu": np.asarray(mu),
+    }
+
+
+def verdict(mine: dict, ref: dict) -> int:
+    """+1 / -1 if ``mine``'s ELBO is higher / lower than ``ref``'s by > 3 s.e., else 0."""
+    margin = 3.0 * np.hypot(mine["se"], ref["se"])
+    if mine["elbo"] > ref["elbo"] + margin:
+        return 1
+    return -1 if mine["elbo"] < ref["elbo"] - margin else 0
+
+
+def plot_features(fig, column, results_of_seed: dict, methods, truth, side: int = 4) -> None:
+    """One row of feature images per method (matched to the truth), the truth on top."""
+    rows = [("truth", truth)] + [
+        (
+            f"{m}\nerr {results_of_seed[m]['error']:.3f}",
+            results_of_seed[m]["mu"][fmm.match_components(results_of_seed[m]["mu"], truth)],
+        )
+        for m in methods
+    ]
+    vmax = float(np.max(np.abs(truth)))
+    for i, (label, mu) in enumerate(rows):
+        sub = column[i].subgridspec(1, mu.shape[0], wspace=0.08)
+        for k in range(mu.shape[0]):
+            a = fig.add_subplot(sub[0, k])
+            a.imshow(mu[k].reshape(side, side), cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+            a.set_xticks([])
+            a.set_yticks([])
+            if k == 0:
+                a.set_ylabel(label, rotation=0, ha="right", va="center", fontsize=9)
