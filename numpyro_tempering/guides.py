@@ -75,6 +75,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from jax.scipy.special import logsumexp
@@ -84,6 +85,7 @@ from numpyro.distributions.transforms import ParameterFreeTransform
 from numpyro.distributions.util import periodic_repeat, sum_rightmost
 from numpyro.infer.autoguide import AutoGuide, AutoGuideList, AutoNormal
 from numpyro.infer.initialization import init_to_feasible
+from numpyro.util import not_jax_tracer
 
 __all__ = [
     "AdditiveLogisticTransform",
@@ -251,6 +253,33 @@ def _simplex_event_dims(support: constraints.Constraint) -> int | None:
     return None
 
 
+def _check_number(value: Any, owner: str, name: str, *, positive: bool) -> float:
+    """A finite real scalar (> 0 if ``positive``) as a float, else a ValueError naming it."""
+    try:
+        arr = np.asarray(value)
+        real = np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
+        out = float(arr) if real and arr.ndim == 0 and not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        out = None
+    if out is None or not np.isfinite(out) or (positive and out <= 0):
+        what = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{owner}: `{name}` must be {what}, got {value!r}.")
+    return out
+
+
+def _check_on_simplex(x: Array, name: str, owner: str) -> None:
+    """Refuse an initial value that is not a point of the simplex (when it is concrete)."""
+    if not not_jax_tracer(x):
+        return
+    x = jnp.asarray(x)
+    total = jnp.sum(x, axis=-1)
+    if not (jnp.all(jnp.isfinite(x)) and jnp.all(x >= 0) and jnp.allclose(total, 1, atol=1e-3)):
+        raise ValueError(
+            f"{owner}: the initial value of site '{name}' (from `init_loc_fn`) is not on the "
+            f"simplex (entries must be finite and >= 0 and sum to 1; sums {total})."
+        )
+
+
 def _safe_simplex(x: Array) -> Array:
     x = jnp.clip(x, _FLOOR / jnp.shape(x)[-1])
     return x / jnp.sum(x, axis=-1, keepdims=True)
@@ -316,6 +345,7 @@ class _AutoSimplexGuide(AutoGuide):
                 continue
             event_dim = _simplex_event_dims(site["fn"].support)
             self._event_dims[name] = event_dim
+            _check_on_simplex(site["value"], name, type(self).__name__)
             init = _safe_simplex(jnp.asarray(site["value"], dtype=float))
             for frame in site["cond_indep_stack"]:
                 self._prototype_frames[frame.name] = frame
@@ -423,7 +453,9 @@ class AutoDirichlet(_AutoSimplexGuide):
         init_concentration: float = 1.0,
         create_plates: Callable | None = None,
     ):
-        self._init_concentration = init_concentration
+        self._init_concentration = _check_number(
+            init_concentration, type(self).__name__, "init_concentration", positive=True
+        )
         super().__init__(
             model,
             sites=sites,
@@ -471,7 +503,9 @@ class _AutoGaussianSimplexGuide(_AutoSimplexGuide):
         init_scale: float = 0.1,
         create_plates: Callable | None = None,
     ):
-        self._init_scale = init_scale
+        self._init_scale = _check_number(
+            init_scale, type(self).__name__, "init_scale", positive=True
+        )
         super().__init__(
             model,
             sites=sites,
@@ -607,8 +641,9 @@ class AutoOvercompleteLogisticNormal(_AutoGaussianSimplexGuide):
         w_prior_scale: float = 1.0,
         create_plates: Callable | None = None,
     ):
-        self.w_prior_loc = w_prior_loc
-        self.w_prior_scale = w_prior_scale
+        owner = type(self).__name__
+        self.w_prior_loc = _check_number(w_prior_loc, owner, "w_prior_loc", positive=False)
+        self.w_prior_scale = _check_number(w_prior_scale, owner, "w_prior_scale", positive=True)
         super().__init__(
             model,
             sites=sites,

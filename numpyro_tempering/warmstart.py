@@ -7,9 +7,9 @@ evidence, while *warm-started* fits, whose mean is set to a point estimate of th
 latent (sec. "Reliability of Upper Bound Estimation"), behave far better. These
 helpers provide the two standard warm starts using stock NumPyro machinery:
 
-* :func:`map_init` -- MAP estimate :math:`\hat z = \arg\max_z \log p(z, D)` (in the
-  constrained space) with :class:`~numpyro.infer.autoguide.AutoDelta`; pass it to any
-  AutoGuide as ``init_loc_fn=init_to_value(values=map_init(...))``.
+* :func:`map_init` -- the posterior mode in NumPyro's unconstrained space (always strictly
+  inside the support), with :class:`~numpyro.infer.autoguide.AutoLaplaceApproximation`;
+  pass it to any AutoGuide as ``init_loc_fn=init_to_value(values=map_init(...))``.
 * :func:`elbo_init` -- a short :class:`~numpyro.infer.Trace_ELBO` fit of the *same*
   guide; pass the result as ``svi.init(..., init_params=params)`` or
   ``svi.run(..., init_params=params)`` of the upper-bound SVI.
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import optax
 from numpyro.infer import SVI, Trace_ELBO
-from numpyro.infer.autoguide import AutoDelta, AutoGuide
+from numpyro.infer.autoguide import AutoGuide, AutoLaplaceApproximation
 from numpyro.infer.initialization import init_to_median
 
 __all__ = ["elbo_init", "map_init"]
@@ -40,30 +40,56 @@ def map_init(
     init_loc_fn: Callable = init_to_median,
     **kwargs: Any,
 ) -> dict[str, Array]:
-    r"""Maximum a posteriori values of all continuous latent sites of ``model``.
+    r"""Posterior mode of all continuous latent sites, found in the unconstrained space.
 
-    Fits :class:`~numpyro.infer.autoguide.AutoDelta` with
-    :class:`~numpyro.infer.Trace_ELBO`; for a point-mass guide the ELBO is
-    :math:`\log p(\hat z, D)`, so this is gradient ascent on the log joint density in
-    the *constrained* space (e.g. the mode :math:`(\alpha_k - 1)/(\sum_j\alpha_j - K)` of
-    a Dirichlet posterior :math:`\mathrm{Dir}(\alpha)`, not the mode in logit space).
+    With :math:`z = T(u)` NumPyro's bijection from :math:`\mathbb{R}^d` onto the support
+    (``biject_to``), this returns :math:`\hat z = T(\hat u)` for
+
+    .. math::
+
+        \hat u = \arg\max_u\ \log p(T(u), D) + \log\lvert\det J_T(u)\rvert,
+
+    the mode of the posterior density *of the unconstrained latent* (the minimum of NumPyro's
+    potential energy, the centre of a Laplace approximation), fitted by gradient ascent with
+    :class:`~numpyro.infer.autoguide.AutoLaplaceApproximation` and
+    :class:`~numpyro.infer.Trace_ELBO` (whose ELBO for this point-mass guide is exactly that
+    objective). Because the Jacobian vanishes at the boundary of the support, :math:`\hat z`
+    is strictly inside it whenever the density of u is bounded, which holds for the usual
+    priors with positive parameters. Examples of the result:
+
+    * Dirichlet posterior :math:`\mathrm{Dir}(a)` (stick-breaking): its **mean**
+      :math:`a / \sum_k a_k` (each stick fraction is Beta distributed and the logit-space
+      mode of :math:`\mathrm{Beta}(a, b)` is :math:`a/(a+b)`);
+    * :math:`\mathrm{Gamma}(a, b)` (log transform): :math:`a / b`.
+
+    The mode in the constrained space, :math:`\arg\max_z \log p(z, D)` (e.g.
+    :math:`(a_k - 1)/(\sum_j a_j - K)` for a Dirichlet), is *not* used: it does not exist
+    when some :math:`a_k < 1` (e.g. a Dirichlet(alpha < 1) prior with an unobserved
+    category), where the density grows without bound towards the boundary, and a
+    boundary point (a zero probability) makes the upper bounds collapse.
 
     :param model: NumPyro model.
     :param args: positional arguments of the model.
     :param key: JAX PRNG key (keyword-only).
     :param num_steps: number of optimisation steps.
     :param optim: optax or NumPyro optimiser; default ``optax.adam(0.02)``.
-    :param init_loc_fn: init strategy of the AutoDelta.
+    :param init_loc_fn: init strategy of the guide.
     :param kwargs: keyword arguments of the model (must not be named ``key``,
         ``num_steps``, ``optim`` or ``init_loc_fn``).
-    :return: dict site name -> constrained MAP value, ready for
-        ``init_to_value(values=...)``.
+    :return: dict site name -> constrained value, ready for ``init_to_value(values=...)``.
 
-    >>> from numpyro.infer.initialization import init_to_value
-    >>> values = map_init(model, data, key=random.PRNGKey(0))  # doctest: +SKIP
-    >>> guide = AutoDirichlet(model, init_loc_fn=init_to_value(values=values))  # doctest: +SKIP
+    Example (posterior Dir(3.5, 1.5, 0.5), whose constrained density has no maximum):
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> def model(y):
+    ...     theta = numpyro.sample("theta", dist.Dirichlet(jnp.full(3, 0.5)))
+    ...     with numpyro.plate("n", y.shape[0]):
+    ...         numpyro.sample("y", dist.Categorical(theta), obs=y)
+    >>> values = map_init(model, jnp.array([0, 0, 0, 1]), key=jax.random.PRNGKey(0))
+    >>> bool(jnp.allclose(values["theta"], jnp.array([3.5, 1.5, 0.5]) / 5.5, atol=1e-3))
+    True
     """
-    guide = AutoDelta(model, init_loc_fn=init_loc_fn)
+    guide = AutoLaplaceApproximation(model, init_loc_fn=init_loc_fn)
     optim = optax.adam(0.02) if optim is None else optim
     svi = SVI(model, guide, optim, Trace_ELBO())
     result = svi.run(key, num_steps, *args, progress_bar=False, **kwargs)

@@ -140,27 +140,124 @@ def test_minus_inf_is_a_zero_weight_and_is_counted():
     np.testing.assert_allclose(bounds.self_normalised_weights(lw), [0.5, 0, 0.5, 0], atol=1e-7)
     assert bounds.elbo(lw) == -jnp.inf
     # gradients of the estimators stay finite at a zero weight
-    grad = jax.grad(lambda x: bounds.klpq(x) + bounds.cubo(x) + bounds.iwae(x))(lw)
-    assert bool(jnp.all(jnp.isfinite(grad)))
+    grads = all_gradients(lw)
+    for name in ("iwae", "cubo", "klpq", "effective_sample_size"):
+        assert bool(jnp.all(jnp.isfinite(grads[name]))), name
+        assert grads[name][1] == 0 and grads[name][3] == 0, name
 
 
-def test_nan_and_plus_inf_are_never_dropped():
-    lw = jnp.array([0.0, jnp.nan, 1.0])
-    s = bounds.summarise(lw)
-    assert int(s.num_nonfinite) == 1
-    for value in (s.elbo, s.iwae, s.cubo, s.klpq, s.effective_sample_size):
-        assert bool(jnp.isnan(value))
-    s = bounds.summarise(jnp.array([0.0, jnp.inf]))
-    assert int(s.num_nonfinite) == 1
-    for value in (s.elbo, s.iwae, s.cubo, s.klpq):
-        assert not bool(jnp.isfinite(value))
+ESTIMATORS = ("elbo", "iwae", "cubo", "klpq", "effective_sample_size")
+
+
+def all_estimates(lw):
+    """Every estimator, and the self-normalised weights, of one vector of log weights."""
+    out = {name: getattr(bounds, name)(lw) for name in ESTIMATORS}
+    out["weights"] = bounds.self_normalised_weights(lw)
+    return out
+
+
+@jax.jit
+def all_gradients(lw):
+    return {name: jax.grad(getattr(bounds, name))(lw) for name in ESTIMATORS}
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf], ids=["nan", "+inf"])
+def test_nan_and_plus_inf_give_nan_everywhere_and_are_counted(bad):
+    """NaN in, NaN out; +inf cannot be a weight (q(z_s) > 0 for a drawn z_s): NaN too."""
+    for lw in (jnp.array([0.0, bad, 1.0]), jnp.array([bad, -jnp.inf]), jnp.full(2, bad)):
+        s = bounds.summarise(lw)
+        assert int(s.num_nonfinite) == int(jnp.sum(~jnp.isfinite(lw)))
+        for name, value in all_estimates(lw).items():
+            assert bool(jnp.all(jnp.isnan(value))), (name, lw)
+        for value in s[:5]:
+            assert bool(jnp.isnan(value))
+        # never a silent (zero or finite) gradient either
+        for name, grad in all_gradients(lw).items():
+            assert bool(jnp.all(jnp.isnan(grad))), (name, lw, grad)
 
 
 def test_all_zero_weights_cannot_be_normalised():
+    """All -inf: the lower bounds are -inf (trivially true), the upper bounds are nan."""
     s = bounds.summarise(jnp.full((3,), -jnp.inf))
     assert int(s.num_nonfinite) == 3
-    assert s.iwae == -jnp.inf and s.cubo == -jnp.inf
+    assert s.elbo == -jnp.inf and s.iwae == -jnp.inf
+    # a -inf CUBO would be the best possible value of a minimised bound
+    assert bool(jnp.isnan(s.cubo)) and bool(jnp.isnan(bounds.cubo(jnp.full(3, -jnp.inf), 1)))
     assert bool(jnp.isnan(s.klpq)) and bool(jnp.isnan(s.effective_sample_size))
+    assert bool(jnp.all(jnp.isnan(bounds.self_normalised_weights(jnp.full(3, -jnp.inf)))))
+    # batched: only the affected row
+    s = bounds.summarise(jnp.array([[0.0, 1.0], [-jnp.inf, -jnp.inf]]))
+    assert bool(jnp.isfinite(s.cubo[0])) and bool(jnp.isnan(s.cubo[1]))
+
+
+finite_and_index = st.sampled_from([2, 7, 33]).flatmap(
+    lambda s: st.tuples(
+        arrays(np.float64, (s,), elements=st.floats(-60.0, 60.0, width=64)),
+        st.integers(0, s - 1),
+    )
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(finite_and_index, st.sampled_from([np.nan, np.inf]))
+def test_property_any_nan_or_plus_inf_anywhere_gives_nan(case, bad):
+    lw, index = case
+    lw = lw.copy()
+    lw[index] = bad
+    with jax.enable_x64(True):
+        for name, value in all_estimates(jnp.asarray(lw)).items():
+            assert bool(jnp.all(jnp.isnan(value))), name
+
+
+@settings(max_examples=25, deadline=None)
+@given(finite_and_index, st.randoms(use_true_random=False))
+def test_property_permutation_invariance(case, rng):
+    lw, _ = case
+    perm = list(range(lw.shape[0]))
+    rng.shuffle(perm)
+    with jax.enable_x64(True):
+        a, b = all_estimates(jnp.asarray(lw)), all_estimates(jnp.asarray(lw[perm]))
+    for name in ESTIMATORS:
+        np.testing.assert_allclose(a[name], b[name], rtol=1e-12, atol=1e-12, err_msg=name)
+    np.testing.assert_allclose(a["weights"][np.asarray(perm)], b["weights"], atol=1e-15)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.sampled_from([2, 7, 33]).flatmap(
+        lambda s: st.tuples(
+            arrays(np.float64, (s,), elements=st.floats(-60.0, 60.0, width=64)),
+            arrays(np.bool_, (s,)),
+        )
+    )
+)
+def test_property_minus_inf_is_exactly_a_zero_weight(case):
+    """With zero weights among S, each estimate equals its finite-part value, still over S.
+
+    The finite part's values come from the NumPy reference (its sizes vary, and every new
+    shape would cost a compilation of each estimator).
+    """
+    lw, zero = case
+    if zero.all():
+        zero[0] = False
+    S, kept = lw.shape[0], lw[~zero]
+    part = reference(kept)
+    log_frac = np.log(kept.shape[0] / S)
+    with jax.enable_x64(True):
+        full = jnp.asarray(np.where(zero, -np.inf, lw))
+        out = jax.tree.map(np.asarray, all_estimates(full))
+        cubo_35 = np.asarray(bounds.cubo(full, 3.5))
+        num_nonfinite = int(bounds.count_nonfinite(full))
+    np.testing.assert_allclose(out["iwae"], part["iwae"] + log_frac, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out["cubo"], part["cubo"] + log_frac / 2, rtol=1e-10, atol=1e-10)
+    ref_35 = reference(kept, 3.5)["cubo"] + log_frac / 3.5
+    np.testing.assert_allclose(cubo_35, ref_35, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out["klpq"], part["klpq"], rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(out["effective_sample_size"], part["ess"], rtol=1e-10)
+    np.testing.assert_allclose(np.asarray(out["weights"])[~zero], part["weights"], atol=1e-14)
+    assert np.all(np.asarray(out["weights"])[zero] == 0)
+    assert out["elbo"] == (-np.inf if zero.any() else part["elbo"])
+    assert num_nonfinite == int(zero.sum())
 
 
 def test_bad_input():
@@ -168,12 +265,23 @@ def test_bad_input():
         bounds.iwae(jnp.array(1.0))
     with pytest.raises(ValueError, match="no particles"):
         bounds.cubo(jnp.zeros((2, 0)))
-    for bad in (0.5, -2.0, float("nan"), jnp.array([2.0, 3.0])):
+    for bad in (0.5, -2.0, float("nan"), jnp.array([2.0, 3.0]), True, "2", None, 2 + 0j):
         with pytest.raises(ValueError, match="`n`"):
             bounds.cubo(jnp.zeros(3), bad)
+    with pytest.raises(ValueError, match="`log_w` must be real"):
+        bounds.iwae(jnp.array([1.0 + 0j, 2.0]))
+    # concrete NumPy / JAX scalars are fine
+    for n in (np.float32(2.0), jnp.array(2.0), np.int64(2)):
+        np.testing.assert_allclose(
+            bounds.cubo(jnp.array([0.0, 1.0]), n), bounds.cubo(jnp.array([0.0, 1.0]), 2.0)
+        )
 
 
 def test_jit_with_traced_order():
     f = jax.jit(bounds.cubo)
     lw = jnp.array([0.1, -0.3, 2.0])
     np.testing.assert_allclose(f(lw, 3.0), reference(np.asarray(lw), 3.0)["cubo"], rtol=1e-6)
+    # a traced order that is not a finite real >= 1 cannot raise: it gives nan, with its grad
+    for bad in (0.5, -1.0, jnp.inf, jnp.nan):
+        assert bool(jnp.isnan(f(lw, bad))), bad
+        assert bool(jnp.all(jnp.isnan(jax.grad(f)(lw, bad)))), bad

@@ -305,7 +305,7 @@ def test_stop_sample_gradients_keeps_values_and_rng():
     assert g_free["loc"] == 0 and g_fixed["loc"] != 0
 
 
-def test_klpq_model_parameters_get_the_iwae_gradient():
+def test_klpq_model_parameters_get_the_iwae_gradient_with_the_opt_in():
     def model_theta(x):
         theta = numpyro.param("theta", 0.0)
         mu = numpyro.sample("mu", dist.Normal(theta, S0))
@@ -314,7 +314,7 @@ def test_klpq_model_parameters_get_the_iwae_gradient():
 
     params = {**OFF, "theta": jnp.array(0.3)}
     S = 16
-    out = loss_grad(KLpq(num_particles=S), params, model=model_theta)
+    out = loss_grad(KLpq(num_particles=S, learn_model_params=True), params, model=model_theta)
 
     def neg_iwae_at_fixed_z(theta):
         p = {**params, "theta": theta}
@@ -324,6 +324,8 @@ def test_klpq_model_parameters_get_the_iwae_gradient():
     ref = jax.jit(jax.grad(neg_iwae_at_fixed_z))(params["theta"])
     np.testing.assert_allclose(out["theta"], ref, rtol=1e-6)
     assert out["theta"] != 0
+    # by default the model's parameters are held fixed: exactly zero gradient
+    assert loss_grad(KLpq(num_particles=S), params, model=model_theta)["theta"] == 0
 
 
 @pytest.mark.parametrize("autoguide", [AutoNormal, AutoDiagonalNormal])
@@ -415,7 +417,8 @@ def test_klpq_learns_a_discrete_guide_and_cubo_refuses_it():
 
 
 def test_klpq_fits_a_model_parameter_by_maximum_evidence():
-    """theta in mu ~ N(theta, S0^2): x ~ N(theta 1, SIGMA^2 I + S0^2 11^T), MLE = mean(x)."""
+    """learn_model_params=True: theta in mu ~ N(theta, S0^2); x ~ N(theta 1, SIGMA^2 I + S0^2
+    11^T), so the maximum-evidence theta is mean(x)."""
 
     def model_theta(x):
         theta = numpyro.param("theta", 0.0)
@@ -424,7 +427,8 @@ def test_klpq_fits_a_model_parameter_by_maximum_evidence():
             numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
 
     init = {**WARM, "theta": jnp.array(0.0)}
-    params, _ = fit(KLpq(num_particles=32), init, 1500, 0.05, model=model_theta)
+    objective = KLpq(num_particles=32, learn_model_params=True)
+    params, _ = fit(objective, init, 1500, 0.05, model=model_theta)
     # the noise in theta is amplified by S0^2 (its gradient is sum wbar (mu - theta) / S0^2)
     assert abs(float(params["theta"]) - float(X.mean())) < 0.1
 
@@ -459,13 +463,38 @@ def test_manual_update_loop_matches_svi_run_and_compiles_once():
 # -- bad input and numerical trouble ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [1, 1.0, 0.5, -2, float("inf"), float("nan"), True, "2"])
+@pytest.mark.parametrize(
+    "n",
+    [
+        1,
+        1.0,
+        0.5,
+        -2,
+        float("inf"),
+        float("nan"),
+        True,
+        np.bool_(True),
+        "2",
+        None,
+        2 + 0j,
+        jnp.array([2.0, 3.0]),
+        np.float32(0.5),
+    ],
+)
 def test_cubo_order_must_exceed_one(n):
-    with pytest.raises(ValueError, match="`n`"):
+    with pytest.raises(ValueError, match="CUBO: `n`"):
         CUBO(n=n)
 
 
-@pytest.mark.parametrize("S", [1, 0, 2.5, True])
+@pytest.mark.parametrize("n", [3, np.float32(2.5), np.int64(3), jnp.array(2.5), np.array(3.0)])
+def test_cubo_order_accepts_concrete_real_scalars(n):
+    objective = CUBO(n=n)
+    assert type(objective.n) is float and objective.n == float(n)
+
+
+@pytest.mark.parametrize(
+    "S", [1, 0, 2.5, 3.0, True, np.bool_(True), "4", None, np.array([4, 4]), np.float64(4.0)]
+)
 def test_num_particles_at_least_two(S):
     with pytest.raises(ValueError, match="CUBO: `num_particles`"):
         CUBO(num_particles=S)
@@ -473,13 +502,46 @@ def test_num_particles_at_least_two(S):
         KLpq(num_particles=S)
 
 
+@pytest.mark.parametrize("S", [np.int64(4), np.array(4), jnp.array(4)])
+def test_num_particles_accepts_numpy_integers_as_int(S):
+    for objective in (CUBO(num_particles=S), KLpq(num_particles=S)):
+        assert type(objective.num_particles) is int and objective.num_particles == 4
+
+
 def test_bad_gradient_mode_and_shift():
     with pytest.raises(ValueError, match="`gradient`"):
         CUBO(gradient="score")
     with pytest.raises(ValueError, match="`shift`"):
         CUBO(shift=0.0)
-    with pytest.raises(ValueError, match="`shift`"):
-        CUBO(gradient="exponentiated", shift=float("inf"))
+    for bad in (float("inf"), jnp.array(jnp.nan), jnp.array([0.0, 1.0]), True, "0", 1j):
+        with pytest.raises(ValueError, match="CUBO: `shift` must be None or a finite real"):
+            CUBO(gradient="exponentiated", shift=bad)
+    for bad in (1, "yes", None):
+        with pytest.raises(ValueError, match="`learn_model_params` must be True or False"):
+            CUBO(learn_model_params=bad)
+        with pytest.raises(ValueError, match="`learn_model_params` must be True or False"):
+            KLpq(learn_model_params=bad)
+
+
+def test_traced_shift_is_a_clear_error():
+    @jax.jit
+    def build(c):
+        return CUBO(gradient="exponentiated", shift=c).n
+
+    with pytest.raises(ValueError, match="`shift` must be a concrete number"):
+        build(1.0)
+
+
+def test_shift_as_a_concrete_array_equals_the_float():
+    """``shift=jnp.array(c)`` (and NumPy scalars) is stored as float(c): same loss, same grad."""
+    c = LOG_Z - 1.0
+    ref = loss_grad(CUBO(num_particles=8, gradient="exponentiated", shift=float(c)), OFF)
+    for shift in (jnp.array(c), np.float32(c), np.array(c)):
+        objective = CUBO(num_particles=8, gradient="exponentiated", shift=shift)
+        assert type(objective.shift) is float
+        out = loss_grad(objective, OFF)
+        for k in OFF:
+            np.testing.assert_allclose(out[k], ref[k], rtol=1e-6)
 
 
 @pytest.mark.parametrize("objective", [CUBO(num_particles=4), KLpq(num_particles=4)])
@@ -537,7 +599,24 @@ def test_non_finite_weights_are_counted_and_never_dropped(objective):
     else:
         np.testing.assert_allclose(loss, LOG_Z, rtol=1e-5)
     np.testing.assert_allclose(d.effective_sample_size, S - expected, rtol=1e-5)
-    # nan: the loss is nan, and the count says why
-    d = value(objective.diagnose, EXACT, X, jnp.nan, model=model_trouble)
-    assert int(d.num_nonfinite) == expected
-    assert bool(jnp.isnan(value(objective.loss, EXACT, X, jnp.nan, model=model_trouble)))
+    # nan and +inf (an overflow): the loss and the gradient are nan, and the count says why
+    for bad in (jnp.nan, jnp.inf):
+        d = value(objective.diagnose, EXACT, X, bad, model=model_trouble)
+        assert int(d.num_nonfinite) == expected
+        assert bool(jnp.isnan(value(objective.loss, EXACT, X, bad, model=model_trouble)))
+        grad = loss_grad_trouble(objective, bad)
+        assert all(bool(jnp.isnan(g)) for g in grad.values()), (bad, grad)
+
+
+def loss_grad_trouble(objective, bad):
+    return _jit(objective.loss, model_trouble, guide, True)(KEY, EXACT, X, bad)
+
+
+@pytest.mark.parametrize("objective", [CUBO(num_particles=16), KLpq(num_particles=16)])
+def test_all_weights_zero_gives_nan_not_the_best_value(objective):
+    """Every particle outside the support: CUBO used to report -inf, the best possible loss."""
+    everywhere = {"loc": jnp.array(M_N - 10.0), "scale": jnp.array(S_N)}  # all mu < M_N
+    loss = value(objective.loss, everywhere, X, -jnp.inf, model=model_trouble)
+    assert bool(jnp.isnan(loss)), loss
+    d = value(objective.diagnose, everywhere, X, -jnp.inf, model=model_trouble)
+    assert int(d.num_nonfinite) == 16 and d.iwae == -jnp.inf and bool(jnp.isnan(d.cubo))

@@ -2,7 +2,7 @@
 
 from numpyro_tempering.objectives.annealed import Annealed
 from numpyro_tempering.objectives.cubo import CUBO
-from numpyro_tempering.objectives.klpq import KLpq, stop_sample_gradients
+from numpyro_tempering.objectives.klpq import KLpq, stop_param_gradients, stop_sample_gradients
 from numpyro_tempering.objectives.multicanonical import MulticanonicalELBO
 from numpyro_tempering.objectives.tempered import TemperedELBO
 
