@@ -12,5 +12,6 @@ __all__ = [
     "KLpq",
     "MulticanonicalELBO",
     "TemperedELBO",
+    "stop_param_gradients",
     "stop_sample_gradients",
 ]
