@@ -1,5 +1,7 @@
 """TemperedELBO and the log-weight engine: exactness at T = 1, conjugate posteriors, one trace."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +50,7 @@ def test_T1_value_and_gradient_equal_trace_elbo(num_particles):
         )
 
     ref, ref_grad = value_and_grad(Trace_ELBO(num_particles=num_particles))
-    out, grad = value_and_grad(TemperedELBO(1.0, num_particles=num_particles))
+    out, grad = value_and_grad(TemperedELBO(num_particles, temperature=1.0))
     np.testing.assert_allclose(out, ref, rtol=1e-6)
     for k in PARAMS:
         np.testing.assert_allclose(grad[k], ref_grad[k], rtol=1e-6)
@@ -59,7 +61,7 @@ def test_T1_equals_trace_elbo_with_an_autoguide():
     svi = SVI(normal_model, guide, optax.adam(0.1), Trace_ELBO())
     params = svi.get_params(svi.init(KEY, X))
     ref = Trace_ELBO(num_particles=3).loss(KEY, params, normal_model, guide, X)
-    out = TemperedELBO(1.0, num_particles=3).loss(KEY, params, normal_model, guide, X)
+    out = TemperedELBO(3, temperature=1.0).loss(KEY, params, normal_model, guide, X)
     np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
@@ -77,7 +79,7 @@ def test_tempered_elbo_matches_eq7_by_hand():
         + dist.Normal(mu, TAU**-0.5).log_prob(X).sum() / T
         - dist.Normal(PARAMS["loc"], PARAMS["scale"]).log_prob(mu)
     )
-    out = -TemperedELBO(T).loss(KEY, PARAMS, normal_model, normal_guide, X)
+    out = -TemperedELBO(temperature=T).loss(KEY, PARAMS, normal_model, normal_guide, X)
     np.testing.assert_allclose(out, expected, rtol=1e-6)
     np.testing.assert_allclose(lw.tempered_log_w(1 / T)[0], expected, rtol=1e-6)
 
@@ -101,7 +103,7 @@ def fit(model, guide, elbo, steps, lr, key=KEY, args=(X,)):
 
 @pytest.mark.parametrize("T", [1.0, 4.0])
 def test_svi_recovers_tempered_normal_posterior(T):
-    result = fit(normal_model, normal_guide, TemperedELBO(T, num_particles=16), 3000, 0.05)
+    result = fit(normal_model, normal_guide, TemperedELBO(16, temperature=T), 3000, 0.05)
     mean, sd = tempered_normal_posterior(T)
     # The Normal guide contains the exact tempered posterior; with 16 particles and a learning
     # rate decayed 100x the remaining optimisation noise is ~1% of sd (checked over seeds), so
@@ -131,7 +133,7 @@ def beta_guide(x):
 def test_svi_recovers_tempered_beta_bernoulli_posterior():
     T = 3.0
     s, n = float(COINS.sum()), COINS.shape[0]
-    result = fit(beta_model, beta_guide, TemperedELBO(T, num_particles=16), 4000, 0.05,
+    result = fit(beta_model, beta_guide, TemperedELBO(16, temperature=T), 4000, 0.05,
                  args=(COINS,))
     # Beta samples are reparameterised by implicit differentiation, so the guide family is
     # exact; concentrations are recovered to a few percent (noise ~1-2% over seeds, checked).
@@ -180,7 +182,7 @@ def test_annealed_loss_uses_the_scheduled_temperature():
     for step in range(12):
         params = svi.get_params(state)
         key = jax.random.split(state.rng_key)[1]
-        expected = TemperedELBO(float(sched(step))).loss(key, params, normal_model,
+        expected = TemperedELBO(temperature=float(sched(step))).loss(key, params, normal_model,
                                                          normal_guide, X)
         state, loss = svi.update(state, X)
         np.testing.assert_allclose(loss, expected, rtol=1e-5)
@@ -188,13 +190,13 @@ def test_annealed_loss_uses_the_scheduled_temperature():
 
 def test_schedule_given_to_the_elbo_points_to_temper():
     with pytest.raises(TypeError, match="temper\\(model, schedule\\)"):
-        TemperedELBO(schedules.linear(10.0, 1.0, 100))
+        TemperedELBO(temperature=schedules.linear(10.0, 1.0, 100))
 
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, float("nan"), float("inf")])
 def test_bad_temperature_in_the_elbo(bad):
     with pytest.raises(ValueError, match="temperature"):
-        TemperedELBO(bad)
+        TemperedELBO(temperature=bad)
 
 
 def local_model(x):
@@ -222,5 +224,193 @@ def test_tempered_latent_sites_sampled_by_the_guide_are_in_the_likelihood_group(
     # and the tempered ELBO at T divides exactly that group
     T = 2.5
     expected = lw.log_prior + lw.log_lik / T - lw.log_q
-    out = -TemperedELBO(T, latent="z").loss(KEY, params, local_model, guide, X)
+    out = -TemperedELBO(temperature=T, latent="z").loss(KEY, params, local_model, guide, X)
     np.testing.assert_allclose(out, expected[0], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# Drop-in for Trace_ELBO (issue 8, item 6): same value, gradient and warnings at T = 1 on
+# models using what Trace_ELBO supports.
+def sink_model(x):
+    """A model param, handlers.scale, a subsampled plate, mask, factor and deterministic."""
+    w = numpyro.param("w", 0.8, constraint=dist.constraints.positive)
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    numpyro.deterministic("mu2", mu**2)
+    with numpyro.handlers.scale(scale=0.7):
+        s = numpyro.sample("s", dist.LogNormal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=4) as idx:
+        xb = x[idx]
+        with numpyro.handlers.mask(mask=xb > 0.5):
+            numpyro.sample("x", dist.Normal(mu, s * w), obs=xb)
+    numpyro.factor("penalty", -0.5 * mu**2)
+
+
+def sink_guide(x):
+    """With an auxiliary site and a deterministic site of its own."""
+    m = numpyro.param("m", 0.3)
+    sm = numpyro.param("sm", 0.5, constraint=dist.constraints.positive)
+    u = numpyro.sample("u", dist.Normal(0.0, 1.0), infer={"is_auxiliary": True})
+    numpyro.deterministic("u2", u**2)
+    numpyro.sample("mu", dist.Normal(m + 0.1 * u, sm))
+    numpyro.sample("s", dist.LogNormal(numpyro.param("ls", 0.1), 0.3))
+
+
+def prior_only_model(x):
+    """Nothing observed (nothing to temper); the guide below leaves 'b' to the prior."""
+    a = numpyro.sample("a", dist.Normal(0.0, 1.0))
+    numpyro.sample("b", dist.Normal(a, 1.0))
+
+
+def prior_only_guide(x):
+    numpyro.sample("a", dist.Normal(numpyro.param("m", 0.3), 0.7))
+
+
+def subsampled_local_model(x):
+    """Local latents in a subsampled plate; the guide draws the subsample, the model replays it."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    with numpyro.plate("data", x.shape[0], subsample_size=6) as idx:
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        numpyro.sample("x", dist.Normal(z, 0.5), obs=x[idx])
+
+
+def subsampled_local_guide(x):
+    numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.3), 0.5))
+    z_loc = numpyro.param("z_loc", jnp.zeros(x.shape[0]))
+    with numpyro.plate("data", x.shape[0], subsample_size=6) as idx:
+        numpyro.sample("z", dist.Normal(z_loc[idx], 0.7))
+
+
+PARITY_CASES = {
+    "sink": lambda: (
+        sink_model,
+        sink_guide,
+        {"w": jnp.array(0.8), "m": jnp.array(0.3), "sm": jnp.array(0.5), "ls": jnp.array(0.1)},
+    ),
+    "local_subsampled": lambda: (
+        subsampled_local_model,
+        subsampled_local_guide,
+        {"m": jnp.array(0.3), "z_loc": 0.1 * jnp.arange(X.shape[0], dtype=jnp.float32)},
+    ),
+    "prior_only": lambda: (prior_only_model, prior_only_guide, {"m": jnp.array(0.3)}),
+}
+
+
+def _vmap_particles(fn, keys):
+    return jax.vmap(fn)(keys)
+
+
+# (num_particles, vectorize_particles, sum_sites)
+PARITY_OPTIONS = {
+    "1-vmap-sum": (1, True, True),
+    "3-map-sites": (3, False, False),
+    "3-callable-sum": (3, _vmap_particles, True),
+    "3-callable-sites": (3, _vmap_particles, False),
+}
+PARITY_GRID = [
+    ("sink", "1-vmap-sum"),
+    ("sink", "3-map-sites"),
+    ("sink", "3-callable-sum"),
+    ("local_subsampled", "1-vmap-sum"),
+    ("local_subsampled", "3-callable-sites"),
+    ("prior_only", "1-vmap-sum"),
+    ("prior_only", "3-map-sites"),
+]
+
+_PARITY_CACHE: dict = {}
+
+
+def evaluate(case, make_elbo, options):
+    """Loss, gradient and warnings of an objective, computed once per module."""
+    key = (case, make_elbo.__name__, options)
+    if key not in _PARITY_CACHE:
+        model, guide, params = PARITY_CASES[case]()
+        elbo = make_elbo(*PARITY_OPTIONS[options])
+
+        def f(p):
+            loss = elbo.loss(KEY, p, model, guide, X)
+            return jax.tree.reduce(jnp.add, loss), loss
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (_, loss), grad = jax.value_and_grad(f, has_aux=True)(params)
+        messages = {str(w.message) for w in caught}
+        _PARITY_CACHE[key] = loss, grad, messages
+    return _PARITY_CACHE[key]
+
+
+def trace_elbo(n, vectorize, sum_sites):
+    return Trace_ELBO(n, vectorize, False, sum_sites)
+
+
+def tempered_elbo_at_1(n, vectorize, sum_sites):
+    return TemperedELBO(n, vectorize, False, sum_sites, temperature=1.0)
+
+
+def tempered_elbo_untempered(n, vectorize, sum_sites):
+    return TemperedELBO(n, vectorize, False, sum_sites)
+
+
+def assert_trees_close(a, b, rtol=2e-6):
+    """Equal to float tolerance (a few ulps: Trace_ELBO sums the sites in another order)."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)  # per-site dicts: same keys
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("case, options", PARITY_GRID)
+def test_drop_in_parity_with_trace_elbo(case, options):
+    ref_loss, ref_grad, ref_warnings = evaluate(case, trace_elbo, options)
+    loss, grad, caught = evaluate(case, tempered_elbo_at_1, options)
+    assert_trees_close(loss, ref_loss)
+    assert_trees_close(grad, ref_grad)
+    assert caught == ref_warnings
+    if case == "prior_only":  # model/guide mismatch warned as Trace_ELBO warns
+        assert any("Found vars in model but not guide" in m for m in caught)
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_without_a_temperature_an_untempered_model_is_trace_elbo(case):
+    ref_loss, ref_grad, ref_warnings = evaluate(case, trace_elbo, "1-vmap-sum")
+    loss, grad, caught = evaluate(case, tempered_elbo_untempered, "1-vmap-sum")
+    assert_trees_close(loss, ref_loss)
+    assert_trees_close(grad, ref_grad)
+    assert caught == ref_warnings
+
+
+def test_tempering_divides_exactly_the_observed_site_terms():
+    # default selection: the observed 'x' (masked, subsampled) and the factor 'penalty'
+    T = 2.5
+    ref, _, _ = evaluate("sink", trace_elbo, "3-map-sites")
+    model, guide, params = PARITY_CASES["sink"]()
+    out = TemperedELBO(3, False, sum_sites=False, temperature=T).loss(
+        KEY, params, model, guide, X
+    )
+    tempered = {"x", "penalty"}
+    for name in ref:
+        np.testing.assert_allclose(out[name], ref[name] / (T if name in tempered else 1.0),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_num_particles_is_the_first_positional_argument_as_in_trace_elbo():
+    elbo = TemperedELBO(3, False, True, False)
+    assert (elbo.num_particles, elbo.vectorize_particles, elbo.multi_sample_guide,
+            elbo.sum_sites, elbo.temperature) == (3, False, True, False, None)
+    ref = Trace_ELBO(3)
+    out = TemperedELBO(3)
+    assert out.num_particles == ref.num_particles == 3
+    # the old meaning (a temperature first) cannot pass silently
+    with pytest.raises(TypeError, match=r"temperature=T"):
+        TemperedELBO(4.0)
+    with pytest.raises(TypeError, match="num_particles"):
+        TemperedELBO(True)
+    with pytest.raises(ValueError, match="num_particles"):
+        TemperedELBO(0)
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(TypeError, match="sum_sites"):
+        TemperedELBO(1, True, False, "no")
+    with pytest.raises(TypeError, match="multi_sample_guide"):
+        TemperedELBO(1, True, None)
+    with pytest.raises(ValueError, match="vectorize_particles"):
+        TemperedELBO(2, "vmap")

@@ -1,4 +1,4 @@
-"""The tempered ELBO of annealed variational inference (annealed-and-multicanonical-vi, eq. 7)."""
+"""The tempered ELBO of annealed variational inference (Mandt et al. 2016, eq. 7)."""
 
 from __future__ import annotations
 
@@ -6,16 +6,17 @@ from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from numpyro.infer.elbo import ELBO
 
-from numpyro_tempering.engine import log_weights
+from numpyro_tempering.engine import log_weights, particle_options
 from numpyro_tempering.handlers import check_temperature, temper
 
 __all__ = ["TemperedELBO"]
 
 
 class TemperedELBO(ELBO):
-    r"""Tempered ELBO, eq. 7 of Mandt et al. (annealed-and-multicanonical-vi):
+    r"""Tempered ELBO (Mandt et al. 2016, eq. 7):
 
     .. math::
 
@@ -24,7 +25,7 @@ class TemperedELBO(ELBO):
             - \mathbb{E}_q[\log q(z_i)]\big).
 
     The loss SVI minimises is :math:`-\mathcal{L}_A`, estimated with ``num_particles``
-    reparameterised particles from the guide (vectorised with ``jax.vmap``); the log
+    reparameterised particles from the guide (mapped as ``vectorize_particles`` says); the log
     normaliser :math:`\log C(T)` of eq. 4 is constant in q and omitted, as in the paper.
 
     The temperature comes from one of two places:
@@ -34,10 +35,34 @@ class TemperedELBO(ELBO):
       at a fixed or traced T;
     * ``TemperedELBO()`` on a model wrapped with ``temper(model, schedule)`` anneals: the
       schedule's clock lives in SVI's mutable state and advances by one per update, also with
-      ``num_particles > 1``. A schedule cannot be given to the ELBO itself, because stock SVI
-      only carries state for ``numpyro.mutable`` sites it sees in the model at ``SVI.init``.
+      ``num_particles > 1`` (the clock is the same for every particle, so it is kept; other
+      mutable state is ignored with a warning, as Trace_ELBO does). A schedule cannot be
+      given to the ELBO itself, because stock SVI only carries state for ``numpyro.mutable``
+      sites it sees in the model at ``SVI.init``.
 
-    At T = 1 the value and gradient equal :class:`numpyro.infer.Trace_ELBO`'s on the same key.
+    A drop-in for :class:`numpyro.infer.Trace_ELBO`: the positional arguments are
+    Trace_ELBO's, and at T = 1 (or with no temperature on an untempered model) the value,
+    gradient and mutable state equal Trace_ELBO's on the same key, with the same warnings
+    (model/guide mismatch, discrete latents under SVI). The temperature and the site
+    selection are keyword-only, so ``TemperedELBO(3)`` means three particles, as
+    ``Trace_ELBO(3)`` does; a float there (``TemperedELBO(4.0)``) is a ``TypeError``.
+
+    Args:
+        num_particles: particles S of the Monte Carlo estimate.
+        vectorize_particles: ``True`` maps particles with ``jax.vmap``, ``False`` with
+            ``jax.lax.map``, or a callable ``(fn, keys) -> outputs`` (e.g.
+            ``lambda f, k: jax.pmap(f)(k)``).
+        multi_sample_guide: the guide draws several samples at once (a leading sample axis),
+            as in Trace_ELBO.
+        sum_sites: ``False`` returns the loss as a dict of per-site terms
+            :math:`-\mathbb{E}_q[\log p_i - \log q_i]` (tempered sites already divided by T),
+            which sum to the loss.
+        temperature: T > 0 (number, array broadcastable to the tempered sites, or traced).
+        sites, latent, exclude, joint: which sites are tempered, as in ``temper``.
+
+    The engine does not enumerate: a model site marked for parallel enumeration that the
+    guide does not sample is refused with a ``ValueError``; for enumerated discrete locals
+    use ``numpyro.infer.TraceEnum_ELBO`` on ``temper(model, T)``.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
@@ -53,20 +78,50 @@ class TemperedELBO(ELBO):
         >>> result = svi.run(jax.random.PRNGKey(0), 200, jnp.ones(5), progress_bar=False)
         >>> int(result.state.mutable_state["_temper_clock"]["step"])
         200
+
+        At T = 1 it is Trace_ELBO, with Trace_ELBO's positional arguments:
+
+        >>> from numpyro.infer import Trace_ELBO
+        >>> def guide(x):
+        ...     numpyro.sample("mu", dist.Normal(numpyro.param("m", 0.5), 1.0))
+        >>> key, params, x = jax.random.PRNGKey(1), {"m": 0.3}, jnp.ones(5)
+        >>> ref = Trace_ELBO(4, False).loss(key, params, model, guide, x)
+        >>> out = TemperedELBO(4, False, temperature=1.0).loss(key, params, model, guide, x)
+        >>> bool(jnp.allclose(out, ref))
+        True
     """
 
+    #: Like Trace_ELBO: discrete latent sites must be sampled by the guide (their gradient has
+    #: no score-function term); sites marked for enumeration and absent from the guide are
+    #: refused (use ``TraceEnum_ELBO`` on ``temper(model, T)``).
     can_infer_discrete = False
 
     def __init__(
         self,
-        temperature: jax.typing.ArrayLike | None = None,
+        num_particles: int = 1,
+        vectorize_particles: bool | Callable = True,
+        multi_sample_guide: bool = False,
+        sum_sites: bool = True,
         *,
+        temperature: jax.typing.ArrayLike | None = None,
         sites: str | Collection[str] | Callable | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
         joint: bool = False,
-        num_particles: int = 1,
     ) -> None:
+        if isinstance(num_particles, bool) or not isinstance(num_particles, (int, np.integer)):
+            raise TypeError(
+                "TemperedELBO: `num_particles` (the first positional argument, as in "
+                f"Trace_ELBO) must be a positive integer, got {num_particles!r}. The "
+                "temperature is keyword-only: TemperedELBO(temperature=T)."
+            )
+        if num_particles < 1:
+            raise ValueError(
+                f"TemperedELBO: `num_particles` must be a positive integer, got {num_particles}."
+            )
+        for name, flag in (("multi_sample_guide", multi_sample_guide), ("sum_sites", sum_sites)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"TemperedELBO: `{name}` must be True or False, got {flag!r}.")
         if callable(temperature):
             raise TypeError(
                 "TemperedELBO(temperature=...) takes a number or array. To anneal, give the "
@@ -79,7 +134,9 @@ class TemperedELBO(ELBO):
             temperature = 1.0
         self.temperature = temperature
         self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=joint)
-        super().__init__(num_particles=num_particles)
+        self.multi_sample_guide = multi_sample_guide
+        self.sum_sites = sum_sites
+        super().__init__(num_particles=int(num_particles), vectorize_particles=vectorize_particles)
 
     def tempered_model(self, model: Callable) -> Callable:
         """The model as this objective sees it (wrapped in ``temper`` if T was given)."""
@@ -95,6 +152,11 @@ class TemperedELBO(ELBO):
             guide,
             args,
             kwargs,
-            num_particles=self.num_particles,
+            per_site=not self.sum_sites,
+            **particle_options(self),
         )
-        return {"loss": -jnp.mean(weights.log_w), "mutable_state": weights.mutable_state}
+        if self.sum_sites:
+            loss = -jnp.mean(weights.log_w)
+        else:
+            loss = {name: -jnp.mean(v) for name, v in weights.site_log_w.items()}
+        return {"loss": loss, "mutable_state": weights.mutable_state}
