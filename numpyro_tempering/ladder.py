@@ -5,7 +5,8 @@ temperature a latent variable :math:`y \sim \mathrm{Mult}(\pi)` over a finite la
 :math:`T_1 = 1 < T_2 < \dots < T_M`; conditional on :math:`y = m` the model is the tempered
 joint normalised by :math:`C(T_m)`. A :class:`Ladder` holds everything that is fixed about
 this: the temperatures, the prior weights :math:`\pi_m`, and -- once computed --
-:math:`\log C(T_m)` with its Monte Carlo standard error and the :class:`ModelSizes` it was
+:math:`\log C(T_m)` with its Monte Carlo diagnostics, the per-element
+:math:`\log c_n(T_m)` a per-element temperature needs, and the :class:`ModelSizes` it was
 computed for.
 
 :math:`\log C` depends only on the model's structure and sizes, not on the data values, so a
@@ -15,6 +16,24 @@ ladder is computed once and reused across fits (and across data sets of the same
 
 The paper's default is 100 temperatures from 1 to 10 on an exponential scale with uniform
 weights (section 4.1): :meth:`Ladder.geometric` with its defaults.
+
+**Trust.** A Monte Carlo log C can be off by hundreds of nats with a small standard error
+(see :mod:`numpyro_tempering.log_partition`). The ladder keeps, per temperature, the
+standard error ``stderr``, the effective sample size ``ess`` and the Pareto :math:`\hat k`
+``pareto_k`` of the estimate; ``flagged`` marks the temperatures whose estimate cannot be
+trusted, and the ``repr`` and :meth:`Ladder.summary` show them. The multicanonical objective
+and handler warn when given a ladder with flagged temperatures.
+
+**Sizes.** The objective and handler compare the model they run with the sizes the ladder's
+log C was computed for (plate sizes, tempered sites and shapes). A ladder without sizes is
+refused there, never silently accepted: :meth:`Ladder.with_log_partition` always records
+them; with :meth:`Ladder.with_log_partition_values` give
+``sizes=model_sizes(model, *args, ...)``, or ``sizes=UNCHECKED`` to take responsibility.
+
+**Per-element temperatures** (``plate="data"`` in the objective or handler) need the
+per-element :math:`\log c_n(T_m)`, shape ``(M, N)`` (``element_log_c``, for the plate
+named ``plate``): from ``with_log_partition(..., plate="data")`` on the full plate, or given
+(a closed form) to ``with_log_partition_values(element_log_c=..., plate="data")``.
 
 A ``Ladder`` is immutable (``with_*`` methods return new ladders) and a JAX pytree (its
 arrays are leaves, the sizes are static), so it can cross ``jax.jit`` boundaries.
@@ -27,11 +46,11 @@ Example:
     ...     with numpyro.plate("data", x.shape[0]):
     ...         numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
     >>> ladder = Ladder.geometric(1.0, 10.0, 5).with_log_partition(
-    ...     model, jax.random.PRNGKey(0), jnp.zeros(3))
+    ...     model, jax.random.PRNGKey(0), jnp.zeros(3), plate="data")
     >>> ladder.temperatures.round(3).tolist()
     [1.0, 1.778, 3.162, 5.623, 10.0]
-    >>> ladder.sizes.plates
-    (('data', 3),)
+    >>> ladder.sizes.plates, ladder.element_log_c.shape, bool(ladder.flagged.any())
+    ((('data', 3),), (5, 3), False)
 """
 
 from __future__ import annotations
@@ -45,12 +64,22 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.util import not_jax_tracer
 
-from numpyro_tempering.log_partition import ModelSizes, Selection, log_partition
+from numpyro_tempering.log_partition import (
+    ModelSizes,
+    Selection,
+    flag_untrusted,
+    log_partition,
+)
 from numpyro_tempering.partition import Fallback
 
-__all__ = ["Ladder", "ModelSizes"]
+__all__ = ["UNCHECKED", "Ladder", "ModelSizes"]
 
 _WEIGHT_TOL = 1e-6
+
+#: ``sizes=UNCHECKED``: the user takes responsibility that log C fits the model (no check).
+UNCHECKED = "unchecked"
+
+_ARRAYS = ("temperatures", "weights", "log_c", "stderr", "ess", "pareto_k", "element_log_c")
 
 
 def _concrete(*xs: Any) -> bool:
@@ -107,6 +136,45 @@ def _check_log_c(log_c: np.ndarray, stderr: np.ndarray | None, temps: np.ndarray
         raise ValueError(f"`stderr` must be finite and >= 0, got {stderr}.")
 
 
+def _check_elements(
+    element_log_c: np.ndarray, log_c: np.ndarray, plate: Any, sizes: Any, temps: np.ndarray
+) -> None:
+    m = temps.size
+    if element_log_c.ndim != 2 or element_log_c.shape[0] != m:
+        raise ValueError(
+            f"`element_log_c` must have shape (M, N) = ({m}, N), one row per temperature; "
+            f"got {element_log_c.shape}."
+        )
+    if not isinstance(plate, str):
+        raise ValueError(
+            f"`element_log_c` needs `plate`, the name of the plate of its N elements; got "
+            f"{plate!r}."
+        )
+    if not np.all(np.isfinite(element_log_c)):
+        bad = ~np.all(np.isfinite(element_log_c), axis=1)
+        raise ValueError(f"`element_log_c` must be finite; it is not at T = {temps[bad]}.")
+    total = element_log_c.sum(axis=1)
+    if not np.allclose(total, log_c, rtol=1e-4, atol=1e-3):
+        raise ValueError(
+            f"`element_log_c` must add up to `log_c` over the elements (log C = sum_n log c_n "
+            f"when all elements share a temperature); the sums are {total.tolist()}, log_c is "
+            f"{log_c.tolist()}."
+        )
+    if isinstance(sizes, ModelSizes):
+        size = sizes.plate_size(plate)
+        if size != element_log_c.shape[1]:
+            raise ValueError(
+                f"`element_log_c` has {element_log_c.shape[1]} elements but plate '{plate}' "
+                f"has {size} in `sizes`."
+            )
+
+
+def _array_repr(value: np.ndarray) -> str:
+    return np.array2string(
+        np.asarray(value), precision=3, threshold=8, edgeitems=3, separator=", "
+    )
+
+
 @jax.tree_util.register_pytree_node_class
 @dataclass(frozen=True, eq=False)
 class Ladder:
@@ -118,8 +186,15 @@ class Ladder:
         log_c: :math:`\log C(T_m)` of the *whole* model (see
             :mod:`numpyro_tempering.log_partition`), or ``None`` until computed.
         stderr: Monte Carlo standard error of ``log_c`` (``None`` if exact / unknown).
-        sizes: the :class:`ModelSizes` ``log_c`` was computed for; objectives refuse a
-            model of different sizes. ``None`` skips the check.
+        sizes: the :class:`ModelSizes` ``log_c`` was computed for; objectives and the handler
+            refuse a model of different sizes, and a ladder with ``sizes=None``.
+            ``UNCHECKED`` skips the check (the user vouches for log C).
+        ess: effective sample size of the estimate per temperature (needs ``num_samples``).
+        pareto_k: Pareto :math:`\hat k` of the estimate per temperature (NaN: unknown).
+        num_samples: the number S of outer Monte Carlo draws behind ``ess``.
+        element_log_c: per-element :math:`\log c_n(T_m)`, shape ``(M, N)``, adding up to
+            ``log_c`` over ``n``; needed by a per-element temperature.
+        plate: the plate of ``element_log_c``.
 
     Values are stored as float64 NumPy arrays and cast to the working dtype where used.
 
@@ -136,10 +211,15 @@ class Ladder:
     weights: Any = None
     log_c: Any = None
     stderr: Any = None
-    sizes: ModelSizes | None = field(default=None)
+    sizes: ModelSizes | str | None = field(default=None)
+    ess: Any = None
+    pareto_k: Any = None
+    num_samples: int | None = None
+    element_log_c: Any = None
+    plate: str | None = None
 
     def __post_init__(self) -> None:
-        if not _concrete(self.temperatures, self.weights, self.log_c, self.stderr):
+        if not _concrete(*(getattr(self, n) for n in _ARRAYS)):
             return  # rebuilt under a JAX transformation: validated when constructed
         temps = _vector(self.temperatures, "temperatures")
         _check_temperatures(temps)
@@ -151,34 +231,62 @@ class Ladder:
             _check_weights(weights)
         log_c = None if self.log_c is None else _vector(self.log_c, "log_c", m)
         stderr = None if self.stderr is None else _vector(self.stderr, "stderr", m)
-        if stderr is not None and log_c is None:
-            raise ValueError("`stderr` given without `log_c`.")
+        ess = None if self.ess is None else _vector(self.ess, "ess", m)
+        pareto_k = None if self.pareto_k is None else _vector(self.pareto_k, "pareto_k", m)
+        elements = (
+            None if self.element_log_c is None else np.asarray(self.element_log_c, np.float64)
+        )
+        for name, value in (("stderr", stderr), ("ess", ess), ("pareto_k", pareto_k)):
+            if value is not None and log_c is None:
+                raise ValueError(f"`{name}` given without `log_c`.")
+        if elements is not None and log_c is None:
+            log_c = elements.sum(axis=-1) if elements.ndim == 2 else None
+            if log_c is None:
+                raise ValueError(f"`element_log_c` must have shape (M, N), got {elements.shape}.")
         if log_c is not None:
             _check_log_c(log_c, stderr, temps)
-        if self.sizes is not None and not isinstance(self.sizes, ModelSizes):
-            raise TypeError(f"`sizes` must be a ModelSizes or None, got {type(self.sizes)}.")
+        if ess is not None:
+            if self.num_samples is None or int(self.num_samples) < 1:
+                raise ValueError("`ess` needs `num_samples` (the number of Monte Carlo draws).")
+            if np.any(~np.isfinite(ess)) or np.any(ess < 0):
+                raise ValueError(f"`ess` must be finite and >= 0, got {ess}.")
+        if not (
+            self.sizes is None or self.sizes == UNCHECKED or isinstance(self.sizes, ModelSizes)
+        ):
+            raise TypeError(
+                f"`sizes` must be a ModelSizes, UNCHECKED or None, got {type(self.sizes)}."
+            )
+        if elements is not None:
+            _check_elements(elements, log_c, self.plate, self.sizes, temps)
+        elif self.plate is not None:
+            raise ValueError("`plate` given without `element_log_c`.")
         for name, value in (
             ("temperatures", temps),
             ("weights", weights),
             ("log_c", log_c),
             ("stderr", stderr),
+            ("ess", ess),
+            ("pareto_k", pareto_k),
+            ("element_log_c", elements),
         ):
             if value is not None:
                 value.setflags(write=False)
             object.__setattr__(self, name, value)
+        if self.num_samples is not None:
+            object.__setattr__(self, "num_samples", int(self.num_samples))
 
     # -- pytree -------------------------------------------------------------------------
-    def tree_flatten(self) -> tuple[tuple, ModelSizes | None]:
-        return (self.temperatures, self.weights, self.log_c, self.stderr), self.sizes
+    def tree_flatten(self) -> tuple[tuple, tuple]:
+        children = tuple(getattr(self, n) for n in _ARRAYS)
+        return children, (self.sizes, self.num_samples, self.plate)
 
     @classmethod
-    def tree_unflatten(cls, sizes: ModelSizes | None, children: tuple) -> Ladder:
+    def tree_unflatten(cls, aux: tuple, children: tuple) -> Ladder:
         obj = object.__new__(cls)
-        for name, value in zip(
-            ("temperatures", "weights", "log_c", "stderr"), children, strict=True
-        ):
+        for name, value in zip(_ARRAYS, children, strict=True):
             object.__setattr__(obj, name, value)
-        object.__setattr__(obj, "sizes", sizes)
+        for name, value in zip(("sizes", "num_samples", "plate"), aux, strict=True):
+            object.__setattr__(obj, name, value)
         return obj
 
     # -- constructors ---------------------------------------------------------------------
@@ -232,6 +340,15 @@ class Ladder:
         """Whether ``log_c`` has been computed or given."""
         return self.log_c is not None
 
+    @property
+    def flagged(self) -> np.ndarray:
+        """Per temperature: whether the Monte Carlo ``log_c`` cannot be trusted (see
+        :func:`~numpyro_tempering.log_partition.flag_untrusted`); all ``False`` without
+        diagnostics (a given closed form)."""
+        if self.ess is None or not _concrete(self.ess, self.pareto_k):
+            return np.zeros(self.num_temperatures, bool)
+        return flag_untrusted(self.ess, self.pareto_k, self.num_samples)
+
     def arrays(self, dtype: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
         """``(1/T, log pi, log C)`` as JAX arrays of ``dtype`` (default float dtype)."""
         self.require_log_partition()
@@ -245,32 +362,86 @@ class Ladder:
         if self.log_c is None:
             raise ValueError(
                 "this ladder has no log C(T): call ladder.with_log_partition(model, key, "
-                "*args) (or .with_log_partition_values(log_c)) first; multicanonical VI "
-                "needs it (annealed-and-multicanonical-vi eq. 13)."
+                "*args) (or .with_log_partition_values(log_c, sizes=...)) first; "
+                "multicanonical VI needs it (annealed-and-multicanonical-vi eq. 13)."
+            )
+
+    def require_element_log_partition(self, plate: str) -> None:
+        """Raise ``ValueError`` unless the ladder holds per-element log c_n for ``plate``."""
+        self.require_log_partition()
+        if self.element_log_c is None:
+            raise ValueError(
+                f"a per-element temperature (plate='{plate}') needs each element's own "
+                "log c_n(T) -- an even split log C / N is exact only for identical elements. "
+                f"Compute them with ladder.with_log_partition(model, key, *args, "
+                f"plate='{plate}') on the full plate, or give them: "
+                f"ladder.with_log_partition_values(element_log_c=..., plate='{plate}') "
+                "(shape (M, N); for elements known to be identical, "
+                "np.repeat(log_c[:, None] / N, N, axis=1))."
+            )
+        if self.plate != plate:
+            raise ValueError(
+                f"the ladder's per-element log c_n are for plate '{self.plate}', not "
+                f"'{plate}'."
             )
 
     def check_sizes(self, sizes: ModelSizes, what: str = "the ladder's log C") -> None:
         """Raise ``ValueError`` if ``sizes`` (of the model being fitted) differ from the
-        sizes ``log_c`` was computed for (no check if the ladder has none)."""
-        if self.sizes is not None:
-            sizes.check_matches(self.sizes, what)
+        sizes ``log_c`` was computed for, or if the ladder records none (``sizes=None``);
+        ``sizes=UNCHECKED`` skips the check."""
+        if self.sizes == UNCHECKED:
+            return
+        if self.sizes is None:
+            raise ValueError(
+                f"{what} does not record the model sizes it was computed for, so it cannot "
+                "be checked against this model (plate sizes, tempered sites). Give them: "
+                "ladder.with_log_partition_values(log_c, sizes=model_sizes(model, *args, "
+                "sites=..., latent=..., exclude=...)) (numpyro_tempering.log_partition."
+                "model_sizes), or sizes=UNCHECKED (numpyro_tempering.ladder) to vouch for "
+                "log C yourself."
+            )
+        sizes.check_matches(self.sizes, what)
 
     # -- log C ----------------------------------------------------------------------------
     def with_log_partition_values(
         self,
-        log_c: Any,
+        log_c: Any = None,
         stderr: Any = None,
-        sizes: ModelSizes | None = None,
+        sizes: ModelSizes | str | None = None,
+        *,
+        element_log_c: Any = None,
+        plate: str | None = None,
     ) -> Ladder:
         """A copy holding the given :math:`\\log C(T_m)` (e.g. a closed form).
+
+        Args:
+            log_c: :math:`\\log C(T_m)`, shape ``(M,)`` (default: the sum of
+                ``element_log_c`` over the elements).
+            stderr: its standard error, if any.
+            sizes: the model sizes it is for (``model_sizes(model, *args, ...)``), or
+                ``UNCHECKED``; the objective and handler refuse ``None``.
+            element_log_c: per-element :math:`\\log c_n(T_m)`, shape ``(M, N)``.
+            plate: the plate of ``element_log_c``.
 
         Example:
             >>> lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, float("nan")])
             Traceback (most recent call last):
             ...
             ValueError: `log_c` must be finite; it is [nan] at temperatures [2.0] ...
+            >>> lad = Ladder([1.0, 2.0]).with_log_partition_values(
+            ...     element_log_c=[[0.0, 0.0], [0.5, 1.5]], plate="data", sizes=UNCHECKED)
+            >>> lad.log_c.tolist()
+            [0.0, 2.0]
         """
-        return Ladder(self.temperatures, self.weights, log_c, stderr, sizes)
+        return Ladder(
+            self.temperatures,
+            self.weights,
+            log_c,
+            stderr,
+            sizes,
+            element_log_c=element_log_c,
+            plate=plate,
+        )
 
     def with_log_partition(
         self,
@@ -283,16 +454,19 @@ class Ladder:
         sites: Selection = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
+        joint: bool = False,
         batch_size: int | None = None,
         fallback: Fallback = None,
         **kwargs: Any,
     ) -> Ladder:
         """A copy holding log C estimated by
-        :func:`~numpyro_tempering.log_partition.log_partition` (same arguments), with its
-        standard error and the model sizes.
+        :func:`~numpyro_tempering.log_partition.log_partition` (same arguments; it warns
+        about untrusted temperatures), with its standard error, effective sample size,
+        Pareto :math:`\\hat k`, the model sizes and, with ``plate`` on the full plate, the
+        per-element log c_n.
 
-        The tempering selection (``sites``/``latent``/``exclude``) must be the one the
-        objective or handler will use; the tempered site names are part of the sizes.
+        The tempering selection (``sites``/``latent``/``exclude``/``joint``) must be the one
+        the objective or handler will use; the tempered site names are part of the sizes.
         """
         est = log_partition(
             rng_key,
@@ -305,6 +479,7 @@ class Ladder:
             sites=sites,
             latent=latent,
             exclude=exclude,
+            joint=joint,
             batch_size=batch_size,
             fallback=fallback,
             **kwargs,
@@ -316,18 +491,75 @@ class Ladder:
                 f"log C estimate: {bad[bad > 0].tolist()} of {num_samples} outer draws were "
                 f"non-finite (NaN or +inf) at temperatures {temps[bad > 0].tolist()}."
             )
+        elements = est.element_log_c
         return Ladder(
             self.temperatures,
             self.weights,
             np.asarray(est.log_c),
             np.asarray(est.stderr),
             est.sizes,
+            ess=np.asarray(est.ess),
+            pareto_k=np.asarray(est.pareto_k),
+            num_samples=est.num_samples,
+            element_log_c=None if elements is None else np.asarray(elements),
+            plate=est.plate,
         )
 
-    def __repr__(self) -> str:
-        temps = np.asarray(self.temperatures) if _concrete(self.temperatures) else None
-        span = "traced" if temps is None else f"T={temps[0]:.3g}..{temps[-1]:.3g}"
-        return (
-            f"Ladder(M={self.num_temperatures}, {span}, "
-            f"log_c={'yes' if self.log_c is not None else 'no'}, sizes={self.sizes})"
+    # -- display --------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A table, one row per temperature: T, weight, log C, stderr, ESS, Pareto k and
+        whether the estimate is flagged as untrusted.
+
+        Example:
+            >>> print(Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.5]).summary())
+                   T   weight        log_c   stderr      ess  pareto_k  flagged
+                   1      0.5            0        -        -         -       no
+                   2      0.5          1.5        -        -         -       no
+        """
+        m = self.num_temperatures
+
+        def column(values: Any, fmt: str) -> list[str]:
+            if values is None:
+                return ["-"] * m
+            return [format(float(v), fmt) for v in np.asarray(values)]
+
+        flagged = ["YES" if f else "no" for f in self.flagged]
+        cols = zip(
+            column(self.temperatures, ".4g"),
+            column(self.weights, ".3g"),
+            column(self.log_c, ".6g"),
+            column(self.stderr, ".3g"),
+            column(self.ess, ".4g"),
+            column(self.pareto_k, ".2f"),
+            flagged,
+            strict=True,
         )
+        head = f"{'T':>8} {'weight':>8} {'log_c':>12} {'stderr':>8} {'ess':>8} "
+        head += f"{'pareto_k':>9} {'flagged':>8}"
+        rows = [
+            f"{t:>8} {w:>8} {c:>12} {s:>8} {e:>8} {k:>9} {f:>8}"
+            for t, w, c, s, e, k, f in cols
+        ]
+        return "\n".join([head, *rows])
+
+    def __repr__(self) -> str:
+        if not _concrete(*(getattr(self, n) for n in _ARRAYS)):
+            return f"Ladder(M={self.num_temperatures}, traced)"
+        temps = np.asarray(self.temperatures)
+        parts = [f"M={self.num_temperatures}", f"T={temps[0]:.3g}..{temps[-1]:.3g}"]
+        if self.log_c is None:
+            parts.append("log_c=None")
+        else:
+            parts.append(f"log_c={_array_repr(self.log_c)}")
+            for name in ("stderr", "ess", "pareto_k"):
+                value = getattr(self, name)
+                if value is not None:
+                    parts.append(f"{name}={_array_repr(value)}")
+            flagged = self.flagged
+            if np.any(flagged):
+                parts.append(f"UNTRUSTED at T={_array_repr(temps[flagged])}")
+            if self.element_log_c is not None:
+                n = self.element_log_c.shape[1]
+                parts.append(f"element_log_c=(plate '{self.plate}', N={n})")
+        parts.append(f"sizes={self.sizes}")
+        return "Ladder(" + ", ".join(parts) + ")"

@@ -39,25 +39,84 @@ model, vectorised over the whole ladder, reading the model's structure from its 
 
   Given the globals the elements are independent, so the product over :math:`n` of the
   inner means is an unbiased estimate of :math:`\prod_n \mathbb{E}_{z_n}[\cdot]`, and
-  :math:`\hat C(T)` is unbiased for :math:`C(T)` (its log is not: the usual Jensen gap,
-  which the reported standard error measures). With ``plate=None`` the whole model is one
-  element: untempered latents are the globals and the tempered latents are redrawn
-  ``num_inner`` times.
+  :math:`\hat C(T)` is unbiased for :math:`C(T)` (its log is not, see below). With
+  ``plate=None`` the whole model is one element: untempered latents are the globals and
+  the tempered latents are redrawn ``num_inner`` times.
+
+  Unbiased for :math:`C`, the estimate is **biased in log**:
+  :math:`\mathbb{E}[\log\hat C] \le \log C` (Jensen), with a gap that grows with the
+  variance of the per-draw products :math:`\prod_n \frac1K\sum_k e^{a_{skn}}`. With local
+  latents that variance is largest at ``num_inner=1`` (a product of N single draws), where
+  :math:`\log\hat C` is typically far too low; the element-wise average is unbiased only for
+  :math:`C`, never for :math:`\log C` or :math:`\log c_n`. ``log_partition`` warns when local
+  latents that change the contributions are averaged with ``num_inner=1``.
 
 Every temperature uses the same random numbers (common random numbers), so the estimated
-:math:`\log C(T)` is a smooth function of :math:`T`. :math:`C(1) = 1` for a normalised model
-(everything integrates to one), which the estimator reproduces exactly when all tempered
-sites are integrated in closed form.
+:math:`\log C(T)` is a smooth function of :math:`T`.
 
 :math:`\log C` depends on the model's *structure and sizes* only, not on the data values:
 call the model with data of the right shape (the values are never read, except by
 untempered observed sites). Subsampled plates are extrapolated by their scale ``N/B``
 (each site's ``scale`` is a multiplicity: the log normaliser is multiplied by it, it is not
-part of the power ``1/T``); for an exact value run the model on the full plate.
+part of the power ``1/T``); for an exact value (and for per-element values) run the model
+on the full plate.
 
 Also here: the analytic (MAP) approximation of supplement eq. 4 (globals at their prior
 mean), the two Jensen bounds of supplement eq. 8, and :class:`ModelSizes`, the sizes a
 log C was computed for (checked by the multicanonical objective and handler).
+
+**log C(1) = 0.** A normalised model has :math:`C(1) = 1`: at :math:`T = 1` every tempered
+site's normaliser :math:`\log Z(1) = \log\int p = 0`. The estimators check this for every
+tempered site on every draw (``T = 1`` is evaluated even if not in the ladder) and raise
+``ValueError`` naming a site whose :math:`|\log Z(1)|` exceeds ``1e-3`` per element (an
+inaccurate tempering rule, or an unnormalised density such as a ``Delta`` with a
+``log_density``). Untempered observed sites (importance weights) make :math:`C(1) \ne 1`
+legitimately and are not checked.
+
+**What is refused** (``ValueError`` naming the sites):
+
+* a tempered ``numpyro.factor`` (NumPyro's ``Unit``): a factor is an unnormalised
+  log-density with no variable to integrate, so :math:`\int dx\, p(x \mid \beta)^{1/T}`
+  has no meaning (the Monte Carlo average would be the tempered evidence of the prior, not a
+  normaliser). Write the likelihood as a distribution with ``obs=``; ``exclude`` a factor
+  that belongs to the prior (it is then an importance weight); or give log C yourself
+  (:meth:`~numpyro_tempering.ladder.Ladder.with_log_partition_values`);
+* ``numpyro.param`` sites in the model: log C depends on their values, so a log C computed
+  once (a :class:`~numpyro_tempering.ladder.Ladder`) goes stale as soon as SVI changes
+  them. Make them constants or model arguments.
+
+**Trust.** Plain Monte Carlo over the globals from the prior collapses when the integrand
+:math:`p(\beta)\prod_n c_n(\beta, T)` is peaked (realistic N): a few draws carry all the
+weight, the estimate is off by up to hundreds of nats, and the delta-method standard error
+-- itself a function of those few draws -- stays small. Each :class:`LogPartitionEstimate`
+therefore carries, per temperature, the Kish effective sample size ``ess`` of the outer
+draws and the Pareto :math:`\hat k` of their weights (the tail-shape diagnostic of Pareto
+smoothed importance sampling, Vehtari et al. 2024, JMLR 25(72); :math:`\hat k > 0.5` means
+the weights have no finite variance, so the standard error means nothing). A temperature
+is **flagged** (:func:`flag_untrusted`, :attr:`LogPartitionEstimate.flagged`) if any draw is
+non-finite, or if the draws are not all equal and ``ess < 10`` (``S/2`` for ``S < 20``),
+``ess < 1%`` of the draws, or :math:`\hat k > \min(1 - 1/\log_{10} S, 0.7)`;
+``log_partition`` then warns (``UserWarning`` naming the temperatures). The estimate is
+kept, not repaired: increase ``num_samples``, use a closed form, or bracket log C with
+:func:`jensen_bounds` (lower bounds) and :func:`analytic_log_partition`.
+
+**Per-element normalisers** (``plate="data"`` on the full plate):
+:attr:`LogPartitionEstimate.element_log_c`, shape ``(M, N)``, the per-element
+:math:`\log c_n(T)` that a per-element multicanonical temperature needs. When the
+elements' normalisers do not depend on the globals (e.g. observed sites with closed forms
+and fixed scales) :math:`C = \prod_n c_n` and these are exact. Otherwise no exact split
+exists (:math:`C = \mathbb{E}_\beta \prod_n c_n(\beta)` is not a product); the returned
+split is :math:`\log \bar c_n + \delta / N` with :math:`\bar c_n = \mathbb{E}_\beta[c_n]`
+(the element's own normaliser averaged over the prior, same draws) and
+:math:`\delta = \log C - \sum_n \log \bar c_n` spread evenly, so that
+:math:`\sum_n \log c_n = \log C` always, elements that differ (noise scales, document
+lengths) get different values, and identical elements get :math:`\log C / N`.
+
+**Joint tempering** (``joint=True``, as in :class:`~numpyro_tempering.temper`): an observed
+mixture site whose discrete local is summed out is tempered as
+:math:`\log\sum_k p(x, z = k \mid \beta)^{1/T}`; its normaliser
+:math:`\sum_k w_k^{1/T} Z_k(T)` is a closed form of the registry
+(:mod:`numpyro_tempering.partition`).
 
 Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -75,6 +134,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -82,8 +142,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro.distributions as npd
 from jax import lax, random
 from jax.scipy.special import logsumexp
+from numpyro.distributions.distribution import Unit
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
@@ -92,13 +154,19 @@ from numpyro_tempering.handlers import TEMPERED, temper
 from numpyro_tempering.partition import Fallback, tempered
 
 __all__ = [
+    "LOG_Z1_TOL",
+    "MIN_ESS",
+    "MIN_ESS_FRACTION",
     "JensenBounds",
     "LogPartitionEstimate",
     "ModelSizes",
     "analytic_log_partition",
+    "flag_untrusted",
     "jensen_bounds",
     "log_partition",
     "model_sizes",
+    "pareto_k",
+    "pareto_k_threshold",
 ]
 
 Selection = str | Collection[str] | Callable[[dict], bool] | None
@@ -198,12 +266,29 @@ def _sizes_from_trace(tr: dict) -> ModelSizes:
     return sizes_from_sites(plates, sites)
 
 
+def model_params(tr: dict) -> list[str]:
+    """Names of the ``numpyro.param`` sites of a model trace (sorted)."""
+    return sorted(n for n, s in tr.items() if s["type"] == "param")
+
+
+def stale_params_message(params: list[str], who: str) -> str:
+    """The error for a model whose ``numpyro.param`` sites would make a log C stale."""
+    return (
+        f"{who}: the model has numpyro.param site(s) {params}. log C(T) depends on their "
+        "values, so a log C computed once (a Ladder) is stale as soon as SVI changes them, "
+        "and the multicanonical weights exp(l/T - log C(T)) are then wrong without a word. "
+        "Make them constants or model arguments (log C is then computed for those values), "
+        "or give them a prior (latent sites)."
+    )
+
+
 def model_sizes(
     model: Callable,
     *args: Any,
     sites: Selection = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
+    joint: bool = False,
     **kwargs: Any,
 ) -> ModelSizes:
     """The :class:`ModelSizes` of ``model`` with the given tempering selection.
@@ -219,7 +304,7 @@ def model_sizes(
         >>> model_sizes(model, jnp.zeros(3))
         ModelSizes(plates=(('data', 3),), sites=(('x', (3,)),))
     """
-    marked = temper(model, 1.0, sites=sites, latent=latent, exclude=exclude)
+    marked = _marked(model, sites, latent, exclude, joint)
     return _sizes_from_trace(_structure_trace(marked, args, kwargs))
 
 
@@ -233,20 +318,23 @@ class _tempered_prior(Messenger):
 
     At a site marked tempered: record ``scale * log Z(T)`` of its distribution given its
     parents and, if latent, replace its distribution by the normalised tempered one (the
-    default sampler then draws from it). At an untempered observed site: record
-    ``scale * log p(value)`` (an importance weight). Untempered latents are left alone (drawn
-    from the prior, or substituted by an outer handler).
+    default sampler then draws from it); ``site_log_z`` keeps the largest ``|log Z(T)|``
+    of each tempered site (for the ``log Z(1) = 0`` check). At an untempered observed site:
+    record ``scale * log p(value)`` (an importance weight). Untempered latents are left
+    alone (drawn from the prior, or substituted by an outer handler).
     """
 
     def __init__(self, fn: Callable, temperature: Any, fallback: Fallback = None) -> None:
         self.temperature = temperature
         self.fallback = fallback
         self.records: list[tuple[dict, jax.Array, bool]] = []
+        self.site_log_z: dict[str, jax.Array] = {}
         self.plate_sizes: dict[str, int] = {}  # full sizes (frames only carry the subsample)
         super().__init__(fn)
 
     def __enter__(self):
         self.records = []
+        self.site_log_z = {}
         self.plate_sizes = {}
         return super().__enter__()
 
@@ -266,6 +354,10 @@ class _tempered_prior(Messenger):
                 ) from err
             if not msg["is_observed"]:
                 msg["fn"] = law
+            size = math.prod(jnp.shape(contribution))
+            self.site_log_z[msg["name"]] = (
+                jnp.max(jnp.abs(contribution)) if size else jnp.zeros((), contribution.dtype)
+            )
         elif msg["is_observed"]:
             contribution = fn.log_prob(msg["value"])
         else:
@@ -313,28 +405,63 @@ def _global_rule(plate: str | None) -> Callable[[dict], bool]:
     return lambda msg: not _in_plate(msg, plate)
 
 
-def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> ModelSizes:
-    """Validate the structure of the marked model and return its sizes."""
+def _unwrapped(fn: Any) -> Any:
+    while isinstance(fn, (npd.ExpandedDistribution, npd.MaskedDistribution, npd.Independent)):
+        fn = fn.base_dist
+    return fn
+
+
+class _Structure(NamedTuple):
+    sizes: ModelSizes
+    local_latents: tuple[str, ...]  # redrawn num_inner times per element
+    untempered_observed: tuple[str, ...]  # importance weights (C(1) != 1 legitimately)
+
+
+def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _Structure:
+    """Validate the structure of the marked model and return its sizes and site roles."""
     tr = _structure_trace(marked, args, kwargs)
+    params = model_params(tr)
+    if params:
+        raise ValueError(stale_params_message(params, "log C"))
+    samples = {n: s for n, s in tr.items() if s["type"] == "sample"}
+    tempered_sites = {n: s for n, s in samples.items() if s["infer"].get(TEMPERED, False)}
+    factors = sorted(n for n, s in tempered_sites.items() if isinstance(_unwrapped(s["fn"]), Unit))
+    if factors:
+        raise ValueError(
+            f"log C: tempered site(s) {factors} are numpyro.factor terms. A factor is an "
+            "unnormalised log-density with no variable to integrate, so the normaliser "
+            "int dx p(x | beta)^(1/T) of log C(T) does not exist for it (a Monte Carlo average "
+            "would give the tempered evidence of the prior instead). Write the likelihood as "
+            "a distribution with obs=..., exclude the factor from tempering (exclude=...) if "
+            "it belongs to the prior, or give log C yourself: "
+            "Ladder.with_log_partition_values(log_c, sizes=model_sizes(...))."
+        )
     plates = sorted(n for n, s in tr.items() if s["type"] == "plate")
     if plate is not None:
         if plate not in plates:
             raise ValueError(f"plate '{plate}' is not in the model; its plates are {plates}.")
-        outside = [
-            n
-            for n, s in tr.items()
-            if s["type"] == "sample" and s["infer"].get(TEMPERED, False) and not _in_plate(s, plate)
-        ]
+        outside = [n for n, s in tempered_sites.items() if not _in_plate(s, plate)]
         if outside:
             raise ValueError(
                 f"tempered site(s) {outside} are not inside plate '{plate}': nested averaging "
                 "over a plate needs every tempered site in that plate (use plate=None)."
             )
-    return _sizes_from_trace(tr)
+    is_global = _global_rule(plate)
+    return _Structure(
+        sizes=_sizes_from_trace(tr),
+        local_latents=tuple(
+            sorted(n for n, s in samples.items() if not s["is_observed"] and not is_global(s))
+        ),
+        untempered_observed=tuple(
+            sorted(n for n, s in samples.items() if s["is_observed"] and n not in tempered_sites)
+        ),
+    )
 
 
-def _marked(model: Callable, sites: Selection, latent: Any, exclude: Any) -> Callable:
-    return temper(model, 1.0, sites=sites, latent=latent, exclude=exclude)
+def _marked(
+    model: Callable, sites: Selection, latent: Any, exclude: Any, joint: bool = False
+) -> Callable:
+    return temper(model, 1.0, sites=sites, latent=latent, exclude=exclude, joint=joint)
 
 
 def _check_temperatures(temperatures: Any) -> jax.Array:
@@ -350,6 +477,13 @@ def _check_temperatures(temperatures: Any) -> jax.Array:
     return jnp.asarray(temps, dtype=jnp.result_type(float))
 
 
+def _with_one(temps: jax.Array) -> jax.Array:
+    """The ladder with T = 1 appended if it is not in it (for the log Z(1) = 0 check)."""
+    if np.any(np.asarray(temps) == 1.0):
+        return temps
+    return jnp.concatenate([temps, jnp.ones((1,), temps.dtype)])
+
+
 def _check_count(value: int, name: str, minimum: int = 1) -> int:
     if int(value) != value or value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
@@ -361,6 +495,13 @@ def _check_count(value: int, name: str, minimum: int = 1) -> int:
 # -----------------------------------------------------------------------------------------
 
 
+class _Inner(NamedTuple):
+    elements: jax.Array  # (E,) per-element log contributions, without the multiplicity N/B
+    rest: jax.Array  # () contributions outside the plate
+    multiplicity: jax.Array  # () N/B of a subsampled plate
+    site_log_z: dict  # name -> () largest |log Z(T)| of each tempered site
+
+
 def _contributions(
     marked: Callable,
     temperature: jax.Array,
@@ -370,9 +511,8 @@ def _contributions(
     kwargs: dict,
     plate: str | None,
     fallback: Fallback,
-) -> tuple[jax.Array, jax.Array]:
-    """One inner draw at one T: per-element log contributions ``(E,)``, the rest ``()`` and
-    the plate's subsampling multiplicity N/B.
+) -> _Inner:
+    """One inner draw at one T.
 
     The element contributions are returned *without* the multiplicity N/B of a subsampled
     plate: the nested estimate is (N/B) sum_n log mean_k exp(a_kn), and scaling inside the
@@ -392,7 +532,7 @@ def _contributions(
             elements = elements + jnp.sum(value)
         else:
             rest = rest + jnp.sum(value)
-    return jnp.atleast_1d(elements), rest, multiplicity
+    return _Inner(jnp.atleast_1d(elements), rest, multiplicity, handler.site_log_z)
 
 
 def _fixed_values(
@@ -420,6 +560,7 @@ class _Draw(NamedTuple):
     mean_log: jax.Array  # (M,) sum_n mean_k a_kn (+ rest): for the E-log Jensen bound
     element_log_mean: jax.Array  # (M, E) log mean_k exp(a_kn)
     rest_log_mean: jax.Array  # (M,)
+    site_log_z: dict  # name -> (M,) largest |log Z(T)| of each tempered site
 
 
 def _draws(
@@ -442,13 +583,14 @@ def _draws(
         key_outer, key_inner = random.split(key)
         fixed = _fixed_values(marked, key_outer, args, kwargs, plate, at_mean)
 
-        def run(t: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        def run(t: jax.Array, k: jax.Array) -> _Inner:
             return _contributions(marked, t, k, fixed, args, kwargs, plate, fallback)
 
         inner_keys = random.split(key_inner, num_inner)
         # same inner keys at every temperature (common random numbers)
-        el, rest, mult = jax.vmap(jax.vmap(run, (None, 0)), (0, None))(temperatures, inner_keys)
-        mult = mult[0, 0]  # N/B, the same for every draw
+        inner = jax.vmap(jax.vmap(run, (None, 0)), (0, None))(temperatures, inner_keys)
+        el, rest = inner.elements, inner.rest
+        mult = inner.multiplicity[0, 0]  # N/B, the same for every draw
         element_lme = mult * _log_mean_exp(el, axis=1)  # (M, E), scaled after the average
         rest_lme = _log_mean_exp(rest, axis=1)  # (M,)
         return _Draw(
@@ -456,10 +598,38 @@ def _draws(
             mean_log=mult * el.mean(1).sum(-1) + rest.mean(1),
             element_log_mean=element_lme,
             rest_log_mean=rest_lme,
+            site_log_z=jax.tree.map(lambda v: jnp.max(v, axis=1), inner.site_log_z),
         )
 
     keys = random.split(rng_key, num_samples)
     return lax.map(one, keys, batch_size=batch_size or num_samples)
+
+
+def _locals_matter(
+    rng_key: jax.Array,
+    marked: Callable,
+    temperatures: jax.Array,
+    args: tuple,
+    kwargs: dict,
+    plate: str | None,
+    fallback: Fallback,
+) -> bool:
+    """Whether two independent inner draws (same globals) give different contributions."""
+
+    @jax.jit
+    def spread(key: jax.Array, temps: jax.Array) -> jax.Array:
+        key_outer, key_a, key_b = random.split(key, 3)
+        fixed = _fixed_values(marked, key_outer, args, kwargs, plate, False)
+
+        def run(t: jax.Array, k: jax.Array) -> jax.Array:
+            inner = _contributions(marked, t, k, fixed, args, kwargs, plate, fallback)
+            return jnp.concatenate([inner.elements, inner.rest[None]])
+
+        a = jax.vmap(run, (0, None))(temps, key_a)
+        b = jax.vmap(run, (0, None))(temps, key_b)
+        return jnp.max(jnp.abs(a - b) / (1.0 + jnp.abs(a)))
+
+    return bool(spread(rng_key, temperatures) > math.sqrt(np.finfo(temperatures.dtype).eps))
 
 
 def _prepare(
@@ -471,11 +641,177 @@ def _prepare(
     sites: Selection,
     latent: Any,
     exclude: Any,
-) -> tuple[Callable, jax.Array, ModelSizes]:
-    marked = _marked(model, sites, latent, exclude)
+    joint: bool = False,
+) -> tuple[Callable, jax.Array, _Structure]:
+    marked = _marked(model, sites, latent, exclude, joint)
     temps = _check_temperatures(temperatures)
-    sizes = _probe(marked, args, kwargs, plate)
-    return marked, temps, sizes
+    structure = _probe(marked, args, kwargs, plate)
+    return marked, temps, structure
+
+
+#: largest |log Z(1)| per element accepted for a tempered site (a normalised density has 0)
+LOG_Z1_TOL = 1e-3
+
+
+def _check_log_z_one(site_log_z: dict, temps: jax.Array, who: str) -> list[str]:
+    """Raise for tempered sites with a finite ``|log Z(1)| > LOG_Z1_TOL``; return the sites
+    whose normaliser at T = 1 is NaN (counted as non-finite draws by the caller)."""
+    one = int(np.argmax(np.asarray(temps) == 1.0))
+    values = {n: float(np.max(np.asarray(v)[..., one])) for n, v in site_log_z.items()}
+    wrong = {n: v for n, v in values.items() if np.isfinite(v) and v > LOG_Z1_TOL}
+    if wrong:
+        found = ", ".join(f"'{n}' up to {v:.4g}" for n, v in sorted(wrong.items()))
+        raise ValueError(
+            f"{who}: at T = 1 the tempered normaliser log Z(1) = log int p(x) dx of site(s) "
+            f"{found} per element, where a normalised density has exactly 0 (C(1) = 1). The "
+            "site's tempering rule is inaccurate (e.g. a numerical fallback) or its density "
+            "is not normalised (e.g. a Delta with a log_density); every log C(T) built on it "
+            "would be off."
+        )
+    return sorted(n for n, v in values.items() if np.isnan(v))
+
+
+# -----------------------------------------------------------------------------------------
+# Trust
+# -----------------------------------------------------------------------------------------
+
+#: flag a temperature whose outer draws have an effective sample size below this ...
+MIN_ESS = 10.0
+#: ... or below this fraction of the number of draws
+MIN_ESS_FRACTION = 0.01
+
+
+def pareto_k_threshold(num_samples: int) -> float:
+    r""":math:`\min(1 - 1/\log_{10} S, 0.7)`: the largest Pareto :math:`\hat k` for which
+    ``S`` importance draws give a usable estimate (Vehtari et al. 2024, section 3)."""
+    return min(1.0 - 1.0 / math.log10(max(num_samples, 11)), 0.7)
+
+
+def _psis_k(log_weights: np.ndarray) -> float:
+    """ArviZ's Pareto k-hat of one vector of log weights (its warnings silenced)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import arviz as az
+
+        _, k = az.psislw(log_weights.copy(), reff=1.0)
+    k = float(np.asarray(k))
+    return k if np.isfinite(k) else np.nan
+
+
+def pareto_k(log_weights: jax.typing.ArrayLike) -> np.ndarray:
+    r"""Pareto :math:`\hat k` of importance weights, per column of ``log_weights`` ``(S, M)``.
+
+    The shape of a generalised Pareto fitted to the largest
+    :math:`\min(S/5, 3\sqrt S)` weights, as ArviZ's ``psislw`` computes it (PSIS, Vehtari
+    et al. 2024). :math:`\hat k < 0.5`: the weights have a finite variance and a standard
+    error means something; above :func:`pareto_k_threshold` the estimate is unusable. NaN
+    where it cannot be estimated: fewer than 5 tail draws (``S < 25``), all weights equal,
+    or non-finite weights.
+
+    Example:
+        >>> import numpy as np
+        >>> u = np.random.default_rng(0).uniform(size=(4000, 1))
+        >>> round(float(pareto_k(-0.8 * np.log(u))[0]), 1)  # weights u^-0.8: k = 0.8
+        0.8
+    """
+    lw = np.asarray(log_weights, dtype=np.float64)
+    lw = lw[:, None] if lw.ndim == 1 else lw
+    s = lw.shape[0]
+    out = np.full(lw.shape[1], np.nan)
+    if math.ceil(min(s / 5.0, 3.0 * math.sqrt(s))) < 5:
+        return out
+    for m in range(lw.shape[1]):
+        col = lw[:, m]
+        if np.all(np.isfinite(col)) and np.ptp(col) > 0:
+            out[m] = _psis_k(col)
+    return out
+
+
+def _ess_floor(num_samples: float) -> float:
+    return max(min(MIN_ESS, num_samples / 2.0), MIN_ESS_FRACTION * num_samples)
+
+
+def flag_untrusted(
+    ess: jax.typing.ArrayLike,
+    pareto_k: jax.typing.ArrayLike | None,
+    num_samples: int,
+    num_nonfinite: jax.typing.ArrayLike | None = None,
+) -> np.ndarray:
+    r"""Temperatures whose Monte Carlo log C cannot be trusted (boolean, per temperature).
+
+    Flagged: any non-finite draw; or, unless all draws are equal (``ess == S``: the estimate
+    is deterministic), an effective sample size below ``MIN_ESS`` (10; ``S/2`` if
+    ``S < 20``) or below ``MIN_ESS_FRACTION`` (1%) of ``S``, or a Pareto
+    :math:`\hat k` above :func:`pareto_k_threshold`.
+
+    Example:
+        >>> flag_untrusted([100.0, 1.2, 60.0], [float("nan"), 0.9, 0.3], 100).tolist()
+        [False, True, False]
+    """
+    ess = np.asarray(ess, dtype=np.float64)
+    s = float(num_samples)
+    random_ = ~(ess >= s * (1.0 - 1e-6))
+    flagged = random_ & ~(ess >= _ess_floor(s))  # NaN ESS: flagged
+    if pareto_k is not None:
+        k = np.asarray(pareto_k, dtype=np.float64)
+        flagged |= random_ & (np.nan_to_num(k, nan=-np.inf) > pareto_k_threshold(num_samples))
+    if num_nonfinite is not None:
+        flagged |= np.asarray(num_nonfinite) > 0
+    return flagged
+
+
+def _rounded(values: np.ndarray, digits: int) -> list[float]:
+    return [round(float(v), digits) for v in values]
+
+
+def _warn_untrusted(est: LogPartitionEstimate, nan_sites: list[str]) -> None:
+    flagged = est.flagged
+    if not np.any(flagged):
+        return
+    num = est.num_samples
+    temps = np.asarray(est.temperatures)[flagged]
+    ess = np.asarray(est.ess)[flagged]
+    k = np.asarray(est.pareto_k)[flagged]
+    bad = np.asarray(est.num_nonfinite)[flagged]
+    show = slice(0, 8)
+    more = f" (and {temps.size - 8} more)" if temps.size > 8 else ""
+    reasons = []
+    if np.any(bad > 0):
+        sites = f"; site(s) {nan_sites} give NaN normalisers" if nan_sites else ""
+        reasons.append(f"non-finite draws {bad[show].tolist()} of S = {num}{sites}")
+    if np.any(np.isfinite(ess)):
+        reasons.append(
+            f"effective sample size {_rounded(ess[show], 1)} of S = {num} outer draws "
+            f"(need >= {_ess_floor(num):g})"
+        )
+    if np.any(np.isfinite(k)):
+        reasons.append(
+            f"Pareto k {_rounded(k[show], 2)} (need <= {pareto_k_threshold(num):.2f}: "
+            "above it the draws' weights have no usable variance)"
+        )
+    warnings.warn(
+        "log_partition: the Monte Carlo estimate of log C(T) cannot be trusted at "
+        f"T = {_rounded(temps[show], 4)}{more}: " + "; ".join(reasons) + ". When a few "
+        "draws dominate, log_c can be off by far more than its stderr, which is then "
+        "meaningless too. The estimate is kept (see .ess, .pareto_k, .flagged; a Ladder "
+        "keeps them): increase num_samples, give a closed form "
+        "(Ladder.with_log_partition_values), or bracket log C with jensen_bounds (lower "
+        "bounds) and analytic_log_partition.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _warn_single_inner(local: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"log_partition: local latent site(s) {list(local)} change the per-element "
+        "contributions and are averaged with num_inner=1 (one draw per element and outer "
+        "draw). The estimate is unbiased for C but its log is biased low, by up to the gap "
+        "between log C and the Jensen bound E[log] (see jensen_bounds), and each element's "
+        "log c_n is a single draw: increase num_inner.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 # -----------------------------------------------------------------------------------------
@@ -490,7 +826,8 @@ class LogPartitionEstimate(NamedTuple):
         temperatures: ``(M,)``.
         log_c: ``(M,)`` the estimate :math:`\log \frac1S\sum_s \hat C_s(T)`.
         stderr: ``(M,)`` delta-method Monte Carlo standard error of ``log_c``:
-            :math:`\mathrm{sd}(\hat C_s) / (\sqrt{S}\, \overline{\hat C_s})`.
+            :math:`\mathrm{sd}(\hat C_s) / (\sqrt{S}\, \overline{\hat C_s})` (meaningless
+            where the temperature is ``flagged``).
         ess: ``(M,)`` Kish effective sample size of the outer draws
             :math:`(\sum_s \hat C_s)^2 / \sum_s \hat C_s^2` (a small ESS flags heavy tails,
             i.e. a standard error that is itself unreliable).
@@ -498,6 +835,11 @@ class LogPartitionEstimate(NamedTuple):
             +inf. These are *not* dropped: ``log_c`` is then NaN/inf, and
             :class:`~numpyro_tempering.ladder.Ladder` refuses it.
         sizes: the :class:`ModelSizes` the estimate is for.
+        pareto_k: ``(M,)`` Pareto :math:`\hat k` of the outer draws (:func:`pareto_k`).
+        num_samples: S, the number of outer draws.
+        element_log_c: ``(M, N)`` per-element :math:`\log c_n(T)` of the ``plate`` (see the
+            module docstring), or ``None`` (``plate=None``, or a subsampled plate).
+        plate: the plate of ``element_log_c``.
     """
 
     temperatures: jax.Array
@@ -506,6 +848,17 @@ class LogPartitionEstimate(NamedTuple):
     ess: jax.Array
     num_nonfinite: jax.Array
     sizes: ModelSizes
+    pareto_k: np.ndarray | None = None
+    num_samples: int | None = None
+    element_log_c: jax.Array | None = None
+    plate: str | None = None
+
+    @property
+    def flagged(self) -> np.ndarray:
+        """Per temperature: whether the estimate cannot be trusted (:func:`flag_untrusted`)."""
+        if self.num_samples is None:  # built by hand: only non-finite draws can be judged
+            return np.asarray(self.num_nonfinite) > 0
+        return flag_untrusted(self.ess, self.pareto_k, self.num_samples, self.num_nonfinite)
 
 
 def _summarise(log_c_s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -523,6 +876,14 @@ def _summarise(log_c_s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax
     return log_c, stderr, ess, bad.sum(0)
 
 
+def _element_split(draws: _Draw, log_c: jax.Array) -> jax.Array:
+    """Per-element log c_n: log mean_s c_sn plus an even share of log C - sum_n of those."""
+    num = draws.element_log_mean.shape[0]
+    element = logsumexp(draws.element_log_mean, axis=0) - math.log(num)  # (M, E)
+    gap = log_c - element.sum(-1)
+    return element + (gap / element.shape[-1])[:, None]
+
+
 def log_partition(
     rng_key: jax.Array,
     model: Callable,
@@ -534,15 +895,18 @@ def log_partition(
     sites: Selection = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
+    joint: bool = False,
     batch_size: int | None = None,
     fallback: Fallback = None,
     **kwargs: Any,
 ) -> LogPartitionEstimate:
     r"""Generic Monte Carlo estimate of :math:`\log C(T)` (supplement eq. 2-3 and 7).
 
-    See the module docstring for the estimator. The cost is
-    ``num_samples * num_inner * M`` model runs (vectorised with ``vmap``; ``batch_size``
-    outer samples at a time, to bound memory for large models).
+    See the module docstring for the estimator, its checks (``log Z(1) = 0``, refused
+    factor likelihoods and model params) and when it warns (untrusted temperatures; local
+    latents at ``num_inner=1``). The cost is ``num_samples * num_inner * M`` model runs
+    (vectorised with ``vmap``; ``batch_size`` outer samples at a time, to bound memory for
+    large models).
 
     Args:
         rng_key: PRNG key.
@@ -553,8 +917,9 @@ def log_partition(
         num_samples: number S of outer draws of the globals (>= 2 for a standard error).
         num_inner: number K of inner draws of the locals per outer draw and element.
         plate: name of the plate whose elements are averaged separately (the data plate;
-            eq. 7). ``None``: the whole model is one element.
-        sites, latent, exclude: which sites are tempered, as in
+            eq. 7), and whose per-element :math:`\log c_n(T)` are returned. ``None``: the
+            whole model is one element.
+        sites, latent, exclude, joint: which sites are tempered and how, as in
             :class:`~numpyro_tempering.temper` (default: the observed sites).
         batch_size: outer draws evaluated at once (default: all).
         fallback: passed to :func:`~numpyro_tempering.partition.tempered` for
@@ -571,19 +936,21 @@ def log_partition(
         ...         numpyro.sample("x", dist.Bernoulli(p), obs=x)
         >>> est = log_partition(jax.random.PRNGKey(0), model, jnp.array([1.0, 2.0]),
         ...                     jnp.zeros(5), num_samples=1000)
-        >>> round(float(est.log_c[0]), 5), bool(est.stderr[1] < 0.01)
-        (0.0, True)
+        >>> round(float(est.log_c[0]), 5), bool(est.stderr[1] < 0.01), est.flagged.tolist()
+        (0.0, True, [False, False])
     """
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
     if batch_size is not None:
         batch_size = _check_count(batch_size, "batch_size")
-    marked, temps, sizes = _prepare(
-        model, temperatures, args, kwargs, plate, sites, latent, exclude
+    marked, temps, structure = _prepare(
+        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
     )
+    num_temps = temps.shape[0]
+    per_element = plate is not None
 
     @jax.jit
-    def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, ...]:
+    def run(key: jax.Array, temps: jax.Array) -> tuple:
         draws = _draws(
             key,
             marked,
@@ -596,10 +963,38 @@ def log_partition(
             batch_size=batch_size,
             fallback=fallback,
         )
-        return _summarise(draws.log_c)
+        log_c, stderr, ess, bad = _summarise(draws.log_c)
+        element = _element_split(draws, log_c) if per_element else None
+        site_log_z = jax.tree.map(lambda v: jnp.max(v, axis=0), draws.site_log_z)
+        return draws.log_c, log_c, stderr, ess, bad, element, site_log_z
 
-    log_c, stderr, ess, bad = run(rng_key, temps)
-    return LogPartitionEstimate(temps, log_c, stderr, ess, bad, sizes)
+    key_probe = random.fold_in(rng_key, 1)
+    run_temps = _with_one(temps)
+    log_c_s, log_c, stderr, ess, bad, element, site_log_z = run(rng_key, run_temps)
+    nan_sites = _check_log_z_one(site_log_z, run_temps, "log C")
+    if element is not None and element.shape[-1] != structure.sizes.plate_size(plate):
+        element = None  # a subsampled plate: only B of the N elements were visited
+    cut = slice(0, num_temps)
+    est = LogPartitionEstimate(
+        temps,
+        log_c[cut],
+        stderr[cut],
+        ess[cut],
+        bad[cut],
+        structure.sizes,
+        pareto_k=pareto_k(np.asarray(log_c_s)[:, cut]),
+        num_samples=num_samples,
+        element_log_c=None if element is None else element[cut],
+        plate=plate if element is not None else None,
+    )
+    _warn_untrusted(est, nan_sites)
+    if (
+        num_inner == 1
+        and structure.local_latents
+        and _locals_matter(key_probe, marked, temps, args, kwargs, plate, fallback)
+    ):
+        _warn_single_inner(structure.local_latents)
+    return est
 
 
 def analytic_log_partition(
@@ -612,6 +1007,7 @@ def analytic_log_partition(
     sites: Selection = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
+    joint: bool = False,
     fallback: Fallback = None,
     **kwargs: Any,
 ) -> jax.Array:
@@ -631,7 +1027,8 @@ def analytic_log_partition(
     by Monte Carlo (``num_inner`` draws, key ``rng_key``), so the result is deterministic
     when the locals are all integrated in closed form. Good for sharply peaked priors and
     large data; a discrete global is an error (its mean is not one of its values).
-    Arguments as in :func:`log_partition`; returns an array of shape ``(M,)``.
+    Arguments, refusals and the ``log Z(1) = 0`` check as in :func:`log_partition`;
+    returns an array of shape ``(M,)``.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -645,10 +1042,12 @@ def analytic_log_partition(
         True
     """
     num_inner = _check_count(num_inner, "num_inner")
-    marked, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude)
+    marked, temps, _ = _prepare(
+        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
+    )
 
     @jax.jit
-    def run(key: jax.Array, temps: jax.Array) -> jax.Array:
+    def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, dict]:
         draws = _draws(
             key,
             marked,
@@ -662,9 +1061,12 @@ def analytic_log_partition(
             fallback=fallback,
             at_mean=True,
         )
-        return draws.log_c[0]
+        return draws.log_c[0], jax.tree.map(lambda v: v[0], draws.site_log_z)
 
-    return run(rng_key, temps)
+    run_temps = _with_one(temps)
+    log_c, site_log_z = run(rng_key, run_temps)
+    _check_log_z_one(site_log_z, run_temps, "analytic log C")
+    return log_c[: temps.shape[0]]
 
 
 class JensenBounds(NamedTuple):
@@ -703,6 +1105,7 @@ def jensen_bounds(
     sites: Selection = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
+    joint: bool = False,
     batch_size: int | None = None,
     fallback: Fallback = None,
     **kwargs: Any,
@@ -710,8 +1113,8 @@ def jensen_bounds(
     r"""Monte Carlo estimates of the Jensen bounds of supplement eq. 8 (see
     :class:`JensenBounds`; both are lower bounds of :math:`\log C(T)`).
 
-    Same draws and arguments as :func:`log_partition`; memory ``O(S M E)`` for ``E``
-    plate elements.
+    Same draws, arguments and refusals as :func:`log_partition`; memory ``O(S M E)`` for
+    ``E`` plate elements.
 
     Example:
         >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -727,7 +1130,9 @@ def jensen_bounds(
     """
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
-    marked, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude)
+    marked, temps, _ = _prepare(
+        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
+    )
 
     @jax.jit
     def run(key: jax.Array, temps: jax.Array) -> JensenBounds:

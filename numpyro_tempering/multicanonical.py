@@ -28,9 +28,24 @@ site (average it over posterior draws to get :math:`p(y \mid x)`), or
 
 With ``plate="docs"`` each element of the plate has its own temperature, marginalised
 separately: :math:`\sum_n \operatorname{logsumexp}_m(\log\pi_m + \ell_n/T_m - \log
-C(T_m)/N)`, with the per-element share :math:`\log C/N` of the whole model's log C (see
-:mod:`numpyro_tempering.objectives.multicanonical`); under subsampling the sum over the
-minibatch is scaled by :math:`N/B`.
+c_n(T_m))`, with each element's own :math:`\log c_n` from the ladder's ``element_log_c``
+(a ladder without them is refused: an even split :math:`\log C/N` is exact only for
+identical elements; see :mod:`numpyro_tempering.objectives.multicanonical`); under
+subsampling the plate's subsample indices pick the minibatch's :math:`\log c_n` and the
+sum over the minibatch is scaled by :math:`N/B`.
+
+``joint=True`` tempers a mixture whose local is summed out jointly, as
+:class:`~numpyro_tempering.temper` does: the component for :math:`T_m` then has
+:math:`\log\sum_k p(x, z = k \mid \beta)^{1/T_m}` in place of :math:`\ell / T_m`.
+
+Composition. With nothing tempered in a run (e.g. ``Predictive`` with the data set to
+``None``) the handler adds nothing; with tempered latents but no tempered *observed* site it
+adds nothing either and warns (the multicanonical density needs the data). Only the user's
+sites are tempered (via :class:`~numpyro_tempering.temper`): NumPyro's auxiliary sites,
+e.g. the Jacobian factors of MCMC's potential, keep their densities, so NUTS on
+``multicanonical(model, ladder)`` samples the multicanonical posterior. The model sizes are
+checked against the ladder's (a ladder without sizes is refused), and ``numpyro.param``
+sites are refused (they would make the ladder's log C stale).
 
 Relation to the M-ELBO
 ----------------------
@@ -67,11 +82,13 @@ Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer.util import log_density
     >>> from numpyro_tempering.ladder import Ladder
+    >>> from numpyro_tempering.log_partition import model_sizes
     >>> from numpyro_tempering.multicanonical import multicanonical
     >>> def model(x):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     ...     numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
-    >>> ladder = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 0.7])
+    >>> ladder = Ladder([1.0, 2.0]).with_log_partition_values(
+    ...     [0.0, 0.7], sizes=model_sizes(model, 0.5))
     >>> lp, _ = log_density(multicanonical(model, ladder), (0.5,), {}, {"mu": 0.0})
     >>> lik = dist.Normal(0.0, 1.0).log_prob(0.5)
     >>> by_hand = dist.Normal(0.0, 1.0).log_prob(0.0) + jnp.logaddexp(
@@ -82,6 +99,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -93,14 +111,28 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
-from numpyro_tempering.handlers import TEMPERED, temper
+from numpyro_tempering.handlers import TEMPERED, JointlyTempered, temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import sizes_from_sites
+from numpyro_tempering.log_partition import sizes_from_sites, stale_params_message
+from numpyro_tempering.objectives.multicanonical import element_log_partition, warn_if_flagged
 
 __all__ = ["multicanonical", "MULTICANONICAL"]
 
 #: Key set to ``True`` in ``msg["infer"]`` of the sites a ``multicanonical`` handler absorbed.
 MULTICANONICAL = "multicanonical"
+
+
+def log_probs_by_temperature(fn: Any, value: Any, inv_t: jax.Array) -> jax.Array:
+    r"""A tempered site's log density at every inverse temperature: ``(M, *batch)``.
+
+    ``fn`` as ``temper(model, 1.0, ...)`` left it: :math:`\log p / T_m`, or, for a jointly
+    tempered mixture, :math:`\log\sum_k p(x, z = k)^{1/T_m}`.
+    """
+    if isinstance(fn, JointlyTempered):
+        base, beta = fn.base, jnp.asarray(fn.inv_temperature)
+        return jax.vmap(lambda b: JointlyTempered(base, b * beta).log_prob(value))(inv_t)
+    log_prob = fn.log_prob(value)
+    return jnp.reshape(inv_t, (-1,) + (1,) * jnp.ndim(log_prob)) * log_prob
 
 
 class multicanonical(Messenger):
@@ -109,10 +141,12 @@ class multicanonical(Messenger):
     Args:
         fn: the (untempered) model.
         ladder: a :class:`~numpyro_tempering.ladder.Ladder` with ``log_c`` (the whole
-            model's, computed with the same ``sites``/``latent``/``exclude``). If it records
-            model sizes, a run of different sizes raises ``ValueError``.
+            model's, computed with the same ``sites``/``latent``/``exclude``/``joint``) and
+            the model sizes it is for (a run of other sizes raises ``ValueError``); with
+            ``plate``, also that plate's ``element_log_c``.
         plate: ``None`` for one temperature, or a plate name for one per element.
-        sites, latent, exclude: the tempered group, as in :class:`~numpyro_tempering.temper`.
+        sites, latent, exclude, joint: the tempered group, as in
+            :class:`~numpyro_tempering.temper`.
         name: name of the added factor site (the posterior is at ``name + "_probs"``).
     """
 
@@ -125,26 +159,35 @@ class multicanonical(Messenger):
         sites: str | Collection[str] | Callable | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
+        joint: bool = False,
         name: str = "_multicanonical",
     ) -> None:
         if not isinstance(ladder, Ladder):
             raise TypeError(f"`ladder` must be a Ladder, got {type(ladder).__name__}.")
         ladder.require_log_partition()
+        if plate is not None:
+            ladder.require_element_log_partition(plate)
+        warn_if_flagged(ladder, "multicanonical")
         self.ladder = ladder
         self.plate = plate
         self.name = name
         self._records: list[dict] = []
-        self._plates: dict[str, tuple[int, int]] = {}
-        super().__init__(temper(fn, 1.0, sites=sites, latent=latent, exclude=exclude))
+        self._plates: dict[str, tuple[int, int, Any]] = {}
+        self._params: list[str] = []
+        tempered_fn = temper(fn, 1.0, sites=sites, latent=latent, exclude=exclude, joint=joint)
+        super().__init__(tempered_fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._records, self._plates = [], {}
+        self._records, self._plates, self._params = [], {}, []
         with self:
             out = self.fn(*args, **kwargs)
             self._emit()
         return out
 
     def process_message(self, msg: dict) -> None:
+        if msg["type"] == "param":
+            self._params.append(msg["name"])
+            return
         if msg["type"] != "sample" or not msg["infer"].get(TEMPERED, False):
             return
         self._records.append(
@@ -153,36 +196,61 @@ class multicanonical(Messenger):
                 "fn": msg["fn"],
                 "cond_indep_stack": list(msg["cond_indep_stack"]),
                 "scale": msg.get("scale"),
-                "log_prob": None,
+                "is_observed": bool(msg["is_observed"]),
+                "value": None,
             }
         )
         msg["fn"] = msg["fn"].mask(False)  # its density enters through the factor
         msg["infer"] = {**msg["infer"], MULTICANONICAL: True}
 
     def postprocess_message(self, msg: dict) -> None:
-        if msg["type"] == "plate":  # full size and subsample size
-            self._plates[msg["name"]] = (int(msg["args"][0]), int(jnp.shape(msg["value"])[0]))
+        if msg["type"] == "plate":  # full size, subsample size and subsample indices
+            value = msg["value"]
+            self._plates[msg["name"]] = (int(msg["args"][0]), int(jnp.shape(value)[0]), value)
             return
         if msg["type"] != "sample":
             return
         # found by name: ``replay`` (outside, in every ELBO) may have replaced msg["infer"]
         record = next((r for r in self._records if r["name"] == msg["name"]), None)
-        if record is None or record["log_prob"] is not None:
-            return
-        log_prob = record["fn"].log_prob(msg["value"])
-        if record["scale"] is not None:
-            log_prob = record["scale"] * log_prob
-        record["log_prob"] = log_prob
+        if record is not None and record["value"] is None:
+            record["value"] = msg["value"]
+            # final here: a `condition` outside this handler observes the site after us
+            record["is_observed"] = bool(msg["is_observed"])
+
+    def _log_probs(self, inv_t: jax.Array) -> list[jax.Array]:
+        out = []
+        for r in self._records:
+            log_prob = log_probs_by_temperature(r["fn"], r["value"], inv_t)
+            out.append(log_prob if r["scale"] is None else r["scale"] * log_prob)
+        return out
 
     def _emit(self) -> None:
-        plates = {n: size for n, (size, _) in self._plates.items()}
+        if not self._records:
+            return  # nothing tempered (e.g. Predictive without data): nothing to add
+        if self._params:
+            raise ValueError(stale_params_message(sorted(set(self._params)), "multicanonical"))
+        if not any(r["is_observed"] for r in self._records):
+            warnings.warn(
+                f"multicanonical: no tempered site is observed (tempered latent(s) "
+                f"{[r['name'] for r in self._records]} only): the multicanonical density needs "
+                "the data, so no factor is added and these sites' densities are left out of "
+                "this run (fine for Predictive, wrong for a log density).",
+                UserWarning,
+                stacklevel=3,
+            )
+            return
+        plates = {n: size for n, (size, _, _) in self._plates.items()}
         sites = [(r["name"], r["fn"], r["cond_indep_stack"]) for r in self._records]
         self.ladder.check_sizes(sizes_from_sites(plates, sites))
-        dtype = jnp.result_type(*(r["log_prob"] for r in self._records), float)
+        dtype = jnp.result_type(*(jnp.asarray(r["value"]) for r in self._records), float)
         inv_t, log_pi, log_c = self.ladder.arrays(dtype)
+        log_probs = self._log_probs(inv_t)  # each (M, *batch)
         if self.plate is None:
-            ell = sum((jnp.sum(r["log_prob"]) for r in self._records), jnp.zeros((), dtype))
-            logits = log_pi + ell * inv_t - log_c
+            ell = sum(
+                (jnp.sum(lp.reshape(lp.shape[0], -1), axis=-1) for lp in log_probs),
+                jnp.zeros_like(inv_t),
+            )
+            logits = log_pi + ell - log_c
             total = logsumexp(logits)
         else:
             if self.plate not in self._plates:
@@ -190,13 +258,14 @@ class multicanonical(Messenger):
                     f"plate '{self.plate}' is not in the model; its plates are "
                     f"{sorted(self._plates)}."
                 )
-            size, subsample = self._plates[self.plate]
+            size, subsample, indices = self._plates[self.plate]
             scale = size / subsample
             elements = sum(
-                (_element_log_lik(r, r["log_prob"], self.plate) for r in self._records),
-                jnp.zeros((), dtype),
-            )
-            logits = log_pi + (elements / scale)[:, None] * inv_t - log_c / size
+                jax.vmap(lambda lp, r=r: _element_log_lik(r, lp, self.plate))(lp)
+                for r, lp in zip(self._records, log_probs, strict=True)
+            )  # (M, B), with the scale N/B
+            log_c_n = element_log_partition(self.ladder, size, indices, dtype)  # (B, M)
+            logits = log_pi + elements.T / scale - log_c_n
             total = scale * jnp.sum(logsumexp(logits, axis=-1))
         numpyro.factor(self.name, total)
         numpyro.deterministic(self.name + "_probs", jax.nn.softmax(logits, axis=-1))
@@ -214,12 +283,12 @@ class multicanonical(Messenger):
 
         Example:
             >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
-            >>> from numpyro_tempering.ladder import Ladder
+            >>> from numpyro_tempering.ladder import UNCHECKED, Ladder
             >>> def model():
             ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
             ...     numpyro.sample("x", dist.Normal(mu, 1.0), obs=3.0)
             >>> mc = multicanonical(model, Ladder([1.0, 4.0]).with_log_partition_values(
-            ...     [0.0, 0.0]))
+            ...     [0.0, 0.0], sizes=UNCHECKED))
             >>> p = mc.temperature_posterior({"mu": 0.0})  # poor fit: mass on T = 4
             >>> bool(p[1] > p[0])
             True

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.ladder import UNCHECKED, Ladder
 from numpyro_tempering.log_partition import ModelSizes, log_partition, model_sizes
 
 KEY = jax.random.PRNGKey(3)
@@ -117,6 +117,7 @@ def test_with_log_partition_stores_estimate_and_sizes():
         lad.check_sizes(model_sizes(model, x, latent="mu"))
 
 
+@pytest.mark.filterwarnings("ignore:log_partition. the Monte Carlo estimate")
 def test_with_log_partition_refuses_nonfinite_draws():
     def bad(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -144,3 +145,93 @@ def test_any_increasing_ladder_from_one_is_valid_and_shuffles_are_not(steps, raw
     if temps.size > 1:
         with pytest.raises(ValueError):
             Ladder(temps[::-1], weights)
+
+
+# ---------------------------------------------------------------------------------------
+# Trust diagnostics are kept and shown.
+def scale_model(x):  # the per-element normaliser depends on the global s: MC over s
+    s = numpyro.sample("s", dist.LogNormal(0.2, 0.3))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(0.0, s), obs=x)
+
+
+def test_ladder_keeps_and_shows_the_diagnostics_of_an_untrusted_estimate():
+    with pytest.warns(UserWarning, match=r"cannot be trusted at T = \[.*10\.0\]"):
+        lad = Ladder([1.0, 2.0, 10.0]).with_log_partition(scale_model, KEY, jnp.zeros(200))
+    assert lad.num_samples == 100 and lad.ess[0] == pytest.approx(100.0)
+    assert np.all(lad.ess[1:] < 2) and np.all(lad.pareto_k[1:] > 0.7)
+    assert lad.flagged.tolist() == [False, True, True]
+    text = repr(lad)
+    assert "stderr=[" in text and "ess=[" in text and "pareto_k=[" in text
+    assert "UNTRUSTED at T=[ 2., 10.]" in text
+    table = lad.summary().splitlines()
+    assert table[0].split() == ["T", "weight", "log_c", "stderr", "ess", "pareto_k", "flagged"]
+    assert [row.split()[-1] for row in table[1:]] == ["no", "YES", "YES"]
+    # pytree: the diagnostics travel with the ladder
+    back = jax.tree.unflatten(*reversed(jax.tree.flatten(lad)))
+    np.testing.assert_array_equal(back.ess, lad.ess)
+    assert back.num_samples == 100 and back.flagged.tolist() == lad.flagged.tolist()
+
+
+def test_closed_form_ladder_is_not_flagged_and_diagnostics_need_log_c():
+    lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0])
+    assert lad.flagged.tolist() == [False, False] and "UNTRUSTED" not in repr(lad)
+    with pytest.raises(ValueError, match="`ess` given without `log_c`"):
+        Ladder([1.0, 2.0], ess=[1.0, 1.0], num_samples=4)
+    with pytest.raises(ValueError, match="`ess` needs `num_samples`"):
+        Ladder([1.0, 2.0], log_c=[0.0, 1.0], ess=[1.0, 1.0])
+
+
+# ---------------------------------------------------------------------------------------
+# Sizes: recorded always by with_log_partition; a ladder without them is refused by the
+# check (UNCHECKED opts out explicitly).
+def test_a_ladder_without_sizes_does_not_skip_the_check():
+    sizes = model_sizes(model, jnp.zeros(4))
+    with pytest.raises(ValueError, match="does not record the model sizes"):
+        Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0]).check_sizes(sizes)
+    Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0], sizes=UNCHECKED).check_sizes(sizes)
+    with pytest.raises(TypeError, match="`sizes` must be a ModelSizes, UNCHECKED or None"):
+        Ladder([1.0, 2.0], log_c=[0.0, 1.0], sizes="yes")
+
+
+# ---------------------------------------------------------------------------------------
+# Per-element log c_n.
+def test_element_log_partition_values_and_validation():
+    elements = np.array([[0.0, 0.0, 0.0], [0.2, 0.3, 0.5]])
+    sizes = model_sizes(model, jnp.zeros(3))
+    lad = Ladder([1.0, 2.0]).with_log_partition_values(
+        element_log_c=elements, plate="data", sizes=sizes
+    )
+    np.testing.assert_allclose(lad.log_c, [0.0, 1.0])
+    assert "element_log_c=(plate 'data', N=3)" in repr(lad)
+    lad.require_element_log_partition("data")
+    with pytest.raises(ValueError, match="for plate 'data', not 'docs'"):
+        lad.require_element_log_partition("docs")
+    with pytest.raises(ValueError, match="needs each element's own log c_n"):
+        Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0]).require_element_log_partition(
+            "data"
+        )
+    with pytest.raises(ValueError, match="must add up to `log_c`"):
+        Ladder([1.0, 2.0]).with_log_partition_values([0.0, 2.0], element_log_c=elements,
+                                                     plate="data")
+    with pytest.raises(ValueError, match="needs `plate`"):
+        Ladder([1.0, 2.0]).with_log_partition_values(element_log_c=elements)
+    with pytest.raises(ValueError, match=r"shape \(M, N\) = \(2, N\)"):
+        Ladder([1.0, 2.0]).with_log_partition_values(element_log_c=elements[:1].T.repeat(2, 1),
+                                                     plate="data")
+    with pytest.raises(ValueError, match="has 3 elements but plate 'data' has 4"):
+        Ladder([1.0, 2.0]).with_log_partition_values(
+            element_log_c=elements, plate="data", sizes=model_sizes(model, jnp.zeros(4))
+        )
+    with pytest.raises(ValueError, match="`plate` given without `element_log_c`"):
+        Ladder([1.0, 2.0], log_c=[0.0, 1.0], plate="data")
+
+
+def test_with_log_partition_on_a_plate_stores_the_per_element_values():
+    x = jnp.zeros(4)
+    lad = Ladder([1.0, 3.0]).with_log_partition(model, KEY, x, num_samples=4, plate="data")
+    a = 1 / lad.temperatures[:, None]
+    exact = 0.5 * (1 - a) * np.log(2 * np.pi * 0.25) + 0.5 * np.log(lad.temperatures[:, None])
+    np.testing.assert_allclose(lad.element_log_c, np.repeat(exact, 4, axis=1), atol=1e-5)
+    assert lad.plate == "data"
+    assert Ladder([1.0, 3.0]).with_log_partition(model, KEY, x, num_samples=4).plate is None

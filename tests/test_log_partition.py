@@ -2,6 +2,7 @@
 
 import itertools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,14 @@ from scipy.special import betaln, comb, logsumexp
 from numpyro_tempering.log_partition import (
     ModelSizes,
     analytic_log_partition,
+    flag_untrusted,
     jensen_bounds,
     log_partition,
     model_sizes,
+    pareto_k,
+    pareto_k_threshold,
 )
+from numpyro_tempering.partition import TemperedResult, register_tempered
 
 KEY = jax.random.PRNGKey(0)
 TEMPS = np.array([1.0, 1.5, 3.0, 10.0])
@@ -85,6 +90,7 @@ def test_normal_unknown_scale_agrees_within_standard_error():
     assert np.max(z) > 0.01
 
 
+@pytest.mark.filterwarnings("ignore:log_partition. the Monte Carlo estimate")
 def test_log_c_does_not_depend_on_data_values():
     a = log_partition(KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=64)
     b = log_partition(KEY, normal_scale_model, TEMPS, jnp.arange(N_NORMAL) * 3.0, num_samples=64)
@@ -310,6 +316,7 @@ def test_errors():
         log_partition(KEY, cauchy_model, TEMPS, x)
 
 
+@pytest.mark.filterwarnings("ignore:log_partition. the Monte Carlo estimate")
 def test_nonfinite_draws_are_counted_not_dropped():
     def model(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -356,3 +363,187 @@ def test_subsampled_plate_with_local_latents_is_scaled_after_the_inner_average(s
         num_samples=8, num_inner=4000, plate="data",
     )
     np.testing.assert_allclose(est.log_c, exact, atol=0.05)
+
+
+# ---------------------------------------------------------------------------------------
+# Trust: a peaked integrand (N = 200, log-normal scale) at high T. Exact log C is known;
+# the plain Monte Carlo estimate is off by hundreds of nats with a standard error < 1. It
+# must be flagged (ESS ~ 1, Pareto k >> 0.7) and warned about, and kept with its diagnostics.
+def test_untrustworthy_estimate_is_flagged_and_warned_about():
+    temps = np.array([1.0, 10.0])
+    exact = normal_scale_log_c(temps, n=200)
+    with pytest.warns(UserWarning, match=r"cannot be trusted at T = \[10\.0\]") as record:
+        est = log_partition(KEY, normal_scale_model, temps, jnp.zeros(200), num_samples=100)
+    assert "effective sample size" in str(record[0].message)
+    err = np.abs(np.asarray(est.log_c) - exact)
+    assert err[1] > 100 and float(est.stderr[1]) < 2  # the failure mode, reproduced
+    assert est.flagged.tolist() == [False, True]
+    assert float(est.ess[1]) < 2 and float(est.pareto_k[1]) > 0.7
+    assert est.num_samples == 100
+
+
+def test_trustworthy_estimate_is_silent():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = log_partition(
+            KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=2000, plate="data"
+        )
+    assert not est.flagged.any()
+    assert np.all(np.asarray(est.pareto_k)[1:] < 0.5)
+    within_se(est, normal_scale_log_c(TEMPS))
+
+
+@pytest.mark.parametrize("k", [0.2, 0.5, 0.8, 1.2])
+def test_pareto_k_recovers_the_tail_shape(k):
+    rng = np.random.default_rng(1)
+    lw = -k * np.log(rng.uniform(size=(4000, 3)))  # weights u^-k: a Pareto tail of shape k
+    assert np.all(np.abs(pareto_k(lw) - k) < 0.25)  # the estimator's own spread is ~0.1
+
+
+def test_pareto_k_and_flags_edge_cases():
+    assert np.isnan(pareto_k(np.zeros((500, 1)))[0])  # all equal: no tail
+    assert np.isnan(pareto_k(np.arange(20.0))[0])  # S < 25: too few tail draws
+    assert np.isnan(pareto_k(np.array([0.0, np.nan] * 50))[0])
+    assert pareto_k_threshold(100) == pytest.approx(0.5)
+    assert pareto_k_threshold(10**6) == pytest.approx(0.7)
+    # equal draws (deterministic estimate) are never flagged; S < 20 uses ESS >= S/2
+    assert flag_untrusted([4.0, 7.9, 3.0], None, 8).tolist() == [False, False, True]
+    assert flag_untrusted([5000.0, 40.0], [0.1, 0.1], 5000).tolist() == [False, True]
+    assert flag_untrusted([50.0], [np.nan], 50, num_nonfinite=[1]).tolist() == [True]
+
+
+# ---------------------------------------------------------------------------------------
+# log C(1) = 0: checked per tempered site. The old quadrature fallback on a mixture of narrow
+# separated components gave log C(1) = 218 (ESS 1) on this model with 100 points and was
+# accepted; the MixtureSameFamily rule integrates it component by component.
+def narrow_mixture_model(x):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 10.0).expand([3]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        mix = dist.MixtureSameFamily(dist.Categorical(jnp.ones(3) / 3), dist.Normal(loc, 0.003))
+        numpyro.sample("x", mix, obs=x)
+
+
+def test_mixture_likelihood_has_log_c_zero_at_one():
+    temps = jnp.array([1.0, 2.0])
+    est = log_partition(KEY, narrow_mixture_model, temps, jnp.zeros(40), plate="data",
+                        num_samples=10, fallback="quadrature")
+    assert abs(float(est.log_c[0])) < 1e-3
+    # separated components: per element log sum_k (1/3)^(1/T) Z_k(T), the joint closed form
+    z = 0.5 * (1 - 1 / 2.0) * np.log(2 * np.pi * 0.003**2) + 0.5 * np.log(2.0)
+    per_element = np.log(3 * (1 / 3) ** 0.5 * np.exp(z))
+    assert float(est.log_c[1]) == pytest.approx(40 * per_element, abs=0.05)
+
+
+class _WrongNormal(dist.Normal):
+    """A Normal whose (registered) tempering rule forgets the base measure at T = 1."""
+
+
+@register_tempered(_WrongNormal)
+def _wrong_rule(d, t):
+    return TemperedResult(0.5 + 0.0 * t, dist.Normal(d.loc, d.scale * jnp.sqrt(t)))
+
+
+def test_log_z_one_check_names_the_site():
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", _WrongNormal(mu, 1.0), obs=x)
+
+    with pytest.raises(ValueError, match=r"log Z\(1\) .* of site\(s\) 'x' up to 0.5"):
+        log_partition(KEY, model, TEMPS, jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"site\(s\) 'x'"):  # T = 1 is checked even if absent
+        log_partition(KEY, model, [2.0, 3.0], jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"site\(s\) 'x'"):
+        analytic_log_partition(KEY, model, TEMPS, jnp.zeros(3))
+
+    def delta_model(x):  # an unnormalised point mass: log int p = log_density != 0
+        numpyro.sample("x", dist.Delta(x, log_density=1.3), obs=x)
+
+    with pytest.raises(ValueError, match=r"'x' up to 1.3"):
+        log_partition(KEY, delta_model, TEMPS, jnp.zeros(()))
+
+
+# ---------------------------------------------------------------------------------------
+# Refusals: factor likelihoods, model params.
+def factor_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    numpyro.factor("lik", dist.Normal(mu, 1.0).log_prob(x).sum())
+
+
+def test_factor_likelihood_is_refused():
+    x = jnp.linspace(-1.0, 3.0, 5)
+    for fn in (log_partition, jensen_bounds, analytic_log_partition):
+        with pytest.raises(ValueError, match=r"\['lik'\] are numpyro.factor terms"):
+            fn(KEY, factor_model, TEMPS, x)
+    # a factor excluded from tempering is an importance weight, as before
+    test_untempered_factor_is_an_importance_weight()
+
+
+def test_model_params_are_refused():
+    def model(x):
+        s = numpyro.param("s", 1.0, constraint=dist.constraints.positive)
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, s), obs=x)
+
+    with pytest.raises(ValueError, match=r"numpyro.param site\(s\) \['s'\]"):
+        log_partition(KEY, model, TEMPS, jnp.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------
+# num_inner = 1 with local latents that matter: warned (the log is biased); not when the
+# locals do not change the contributions (a Normal likelihood's normaliser is free of its
+# mean: the FMM's z).
+def test_single_inner_draw_warns_only_when_locals_matter():
+    temps, x = jnp.array([1.0, 3.0]), jnp.zeros(4)
+
+    def about_locals(**kwargs):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            log_partition(KEY, _scale_local_model, temps, x, num_samples=8, plate="data",
+                          **kwargs)
+        return [w for w in record if "local latent" in str(w.message)]
+
+    (found,) = about_locals()
+    assert "site(s) ['z']" in str(found.message) and "num_inner=1" in str(found.message)
+    assert not about_locals(num_inner=2)
+    fmm = pytest.importorskip("numpyro_tempering.models.fmm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log_partition(KEY, fmm.model, temps, jnp.zeros((4, 2)), 3, 0.3, 0.1, latent="z",
+                      plate="data", num_samples=4)
+
+
+# ---------------------------------------------------------------------------------------
+# Joint tempering of a summed-out local: per element log sum_k w_k^(1/T) Z_k(T), exact (the
+# Normal normaliser is free of the component means).
+W_MIX, S_MIX = np.array([0.3, 0.7]), np.array([0.5, 2.0])
+
+
+def mixture_model(x):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        mix = dist.MixtureSameFamily(dist.Categorical(jnp.asarray(W_MIX)),
+                                     dist.Normal(loc, jnp.asarray(S_MIX)))
+        numpyro.sample("x", mix, obs=x)
+
+
+def joint_mixture_log_c(T, n):
+    T = np.asarray(T)[:, None]
+    log_z = 0.5 * (1 - 1 / T) * np.log(2 * np.pi * S_MIX**2) + 0.5 * np.log(T)
+    return n * logsumexp(np.log(W_MIX) / T + log_z, axis=-1)
+
+
+def test_joint_tempering_of_a_mixture_is_exact():
+    est = log_partition(KEY, mixture_model, TEMPS, jnp.zeros(6), joint=True, plate="data",
+                        num_samples=4)
+    np.testing.assert_allclose(est.log_c, joint_mixture_log_c(TEMPS, 6), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(est.stderr, 0.0, atol=1e-5)
+    np.testing.assert_allclose(est.element_log_c, np.repeat(
+        joint_mixture_log_c(TEMPS, 1)[:, None], 6, axis=1), rtol=1e-5, atol=1e-5)
+    # tempering the marginal instead is a different normaliser (quadrature, random in loc)
+    marginal = log_partition(KEY, mixture_model, TEMPS, jnp.zeros(6), plate="data",
+                             num_samples=20)
+    assert abs(float(marginal.log_c[0])) < 1e-4
+    assert np.all(np.abs(np.asarray(marginal.log_c - est.log_c))[1:] > 0.1)
+    assert model_sizes(mixture_model, jnp.zeros(6), joint=True) == est.sizes

@@ -7,15 +7,17 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
-from numpyro.handlers import seed, substitute, trace
-from numpyro.infer import SVI, Trace_ELBO
+from numpyro.diagnostics import effective_sample_size
+from numpyro.handlers import condition, seed, substitute, trace
+from numpyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
 from numpyro.infer.util import log_density
+from scipy.special import gammaln
 from scipy.special import logsumexp as sp_logsumexp
 from scipy.stats import norm
 
 from numpyro_tempering import TemperedELBO, temper
 from numpyro_tempering.engine import log_weights
-from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.ladder import UNCHECKED, Ladder
 from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.multicanonical import multicanonical
 from numpyro_tempering.objectives.multicanonical import (
@@ -51,9 +53,17 @@ def normal_log_c(temps, n=N):  # exact: the Normal likelihood's tempered integra
     return n * (0.5 * (1 - a) * np.log(2 * np.pi * SIGMA**2) + 0.5 * np.log(temps))
 
 
+def per_element(log_c_one, n=N):  # identical elements: each has the per-datum log c
+    return np.repeat(np.asarray(log_c_one)[:, None], n, axis=1)
+
+
 SIZES = model_sizes(model, X)
-LADDER = Ladder(TEMPS, WEIGHTS).with_log_partition_values(normal_log_c(TEMPS), sizes=SIZES)
-T1_LADDER = Ladder([1.0]).with_log_partition_values([0.0], sizes=SIZES)
+LADDER = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+    sizes=SIZES, element_log_c=per_element(normal_log_c(TEMPS, 1)), plate="data"
+)
+T1_LADDER = Ladder([1.0]).with_log_partition_values(
+    sizes=SIZES, element_log_c=per_element([0.0]), plate="data"
+)
 
 
 def loss(elbo, model_=model, key=KEY, **kwargs):
@@ -135,7 +145,7 @@ def test_gradient_is_the_tempered_elbo_at_the_effective_temperature():
     elbo = MulticanonicalELBO(LADDER, num_particles=4)
     beta = posterior_fn(elbo)(KEY, PARAMS).mean_inverse_temperature
     grad = jax.jit(jax.grad(lambda p: elbo.loss(KEY, p, model, guide, X)))(PARAMS)
-    tempered = TemperedELBO(1.0 / beta, num_particles=4)
+    tempered = TemperedELBO(temperature=1.0 / beta, num_particles=4)
     ref = jax.jit(jax.grad(lambda p: tempered.loss(KEY, p, model, guide, X)))(PARAMS)
     assert 0.2 < float(beta) < 0.99  # a genuine mixture of temperatures
     for k in PARAMS:
@@ -328,10 +338,15 @@ def test_errors():
         log_density(multicanonical(model, LADDER), (other,), {}, {"mu": 0.0})
     with pytest.raises(ValueError, match=r"tempered site 'mu'"):
         MulticanonicalELBO(LADDER, latent="mu").loss(KEY, PARAMS, model, guide, X)
+    with pytest.raises(ValueError, match=r"per-element log c_n are for plate 'data', not 'docs'"):
+        MulticanonicalELBO(LADDER, plate="docs")
+    docs = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+        sizes=UNCHECKED, element_log_c=per_element(normal_log_c(TEMPS, 1)), plate="docs"
+    )
     with pytest.raises(ValueError, match=r"plate 'docs' is not in the model; its plates are"):
-        MulticanonicalELBO(LADDER, plate="docs").loss(KEY, PARAMS, model, guide, X)
+        MulticanonicalELBO(docs, plate="docs").loss(KEY, PARAMS, model, guide, X)
     with pytest.raises(ValueError, match=r"plate 'docs' is not in the model; its plates are"):
-        log_density(multicanonical(model, LADDER, plate="docs"), (X,), {}, {"mu": 0.0})
+        log_density(multicanonical(model, docs, plate="docs"), (X,), {}, {"mu": 0.0})
     with pytest.raises(ValueError, match="no sample site named"):
         MulticanonicalELBO(LADDER, sites="typo").loss(KEY, PARAMS, model, guide, X)
     with pytest.raises(ValueError, match="positive integer"):
@@ -355,7 +370,9 @@ def latent_guide(x):
 
 def test_handler_with_a_tempered_latent_under_trace_elbo():
     log_c = np.array([0.0, 0.4, 1.3])
-    ladder = Ladder(TEMPS, WEIGHTS).with_log_partition_values(log_c)
+    ladder = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+        log_c, sizes=model_sizes(latent_model, X, latent="z")
+    )
     mc = multicanonical(latent_model, ladder, latent="z")
     out = -jax.jit(lambda k: Trace_ELBO().loss(k, {}, mc, latent_guide, X))(KEY)
 
@@ -374,3 +391,213 @@ def test_handler_with_a_tempered_latent_under_trace_elbo():
         - norm.logpdf(z, 1.1, 0.2)
     )
     np.testing.assert_allclose(out, expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# What the objective and the handler refuse or warn about.
+def test_a_ladder_without_sizes_is_refused_unless_unchecked():
+    bare = Ladder(TEMPS, WEIGHTS).with_log_partition_values(normal_log_c(TEMPS))
+    with pytest.raises(ValueError, match="does not record the model sizes"):
+        MulticanonicalELBO(bare).loss(KEY, PARAMS, model, guide, X)
+    with pytest.raises(ValueError, match="does not record the model sizes"):
+        log_density(multicanonical(model, bare), (X,), {}, {"mu": 0.0})
+    unchecked = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+        normal_log_c(TEMPS), sizes=UNCHECKED
+    )
+    np.testing.assert_allclose(
+        loss(MulticanonicalELBO(unchecked)), loss(MulticanonicalELBO(LADDER)), rtol=1e-6
+    )
+
+
+def test_a_flagged_ladder_is_warned_about():
+    def scale_model(x):
+        s = numpyro.sample("s", dist.LogNormal(0.2, 0.3))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(0.0, s), obs=x)
+
+    with pytest.warns(UserWarning, match="cannot be trusted"):
+        flagged = Ladder([1.0, 10.0]).with_log_partition(scale_model, KEY, jnp.zeros(200))
+    with pytest.warns(UserWarning, match=r"MulticanonicalELBO: .* untrusted at T = \[10.0\]"):
+        MulticanonicalELBO(flagged)
+    with pytest.warns(UserWarning, match=r"multicanonical: .* untrusted at T = \[10.0\]"):
+        multicanonical(scale_model, flagged)
+
+
+def test_model_params_are_refused():
+    def param_model(x):
+        s = numpyro.param("s", 0.5, constraint=dist.constraints.positive)
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, s), obs=x)
+
+    with pytest.raises(ValueError, match=r"numpyro.param site\(s\) \['s'\]"):
+        MulticanonicalELBO(LADDER).loss(KEY, PARAMS, param_model, guide, X)
+    with pytest.raises(ValueError, match=r"numpyro.param site\(s\) \['s'\]"):
+        log_density(multicanonical(param_model, LADDER), (X,), {}, {"mu": 0.0})
+
+
+def test_predictive_without_data_adds_nothing():
+    samples = {"mu": jnp.array([0.1, 0.5, -0.3])}
+    draws = Predictive(multicanonical(model, LADDER), samples)(KEY, X * jnp.nan)
+    assert "_multicanonical_probs" in draws  # with data: the temperature posterior
+
+    def optional(x=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+    draws = Predictive(multicanonical(optional, LADDER), samples)(KEY, None)
+    assert draws["x"].shape == (3, N) and "_multicanonical_probs" not in draws
+    ladder = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+        [0.0, 0.4, 1.3], sizes=model_sizes(latent_model, X, latent="z")
+    )
+
+    def optional_latent(x=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        z = numpyro.sample("z", dist.Normal(mu, 1.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("x", dist.Normal(z, SIGMA), obs=x)
+
+    with pytest.warns(UserWarning, match=r"no tempered site is observed .* \['z'\]"):
+        draws = Predictive(multicanonical(optional_latent, ladder, latent="z"), samples)(
+            KEY, None
+        )
+    assert draws["x"].shape == (3, N)
+
+
+# ---------------------------------------------------------------------------------------
+# NUTS on the multicanonical model with a constrained latent (a Gamma precision: MCMC adds a
+# Jacobian factor for it, which must keep its density). Conjugate: per temperature T the
+# tempered joint is Gamma(tau; a + N/(2T), b + S/(2T)) times a closed-form evidence E_T, and
+# log C(T) = N/2 log T + k log(2 pi b) + lgamma(a - k) - lgamma(a), k = N (1 - 1/T) / 2. The
+# exact posterior is the mixture of the two Gamma posteriors with weights
+# w_m ~ pi_m E_{T_m} / C(T_m), which is also E[p(y = m | tau, x)] under the posterior.
+A_TAU, B_TAU = 4.0, 2.0
+Y_TAU = 0.5 * np.array([1.9, -2.4, 0.8, 3.1, -1.5, 2.6])
+
+
+def precision_model(y):
+    tau = numpyro.sample("tau", dist.Gamma(A_TAU, B_TAU))
+    with numpyro.plate("data", Y_TAU.size):
+        numpyro.sample("y", dist.Normal(0.0, 1.0 / jnp.sqrt(tau)), obs=y)
+
+
+def test_nuts_samples_the_exact_multicanonical_posterior():
+    temps, n, s = np.array([1.0, 4.0]), Y_TAU.size, float(np.sum(Y_TAU**2))
+    k = n * (1 - 1 / temps) / 2
+    log_c = 0.5 * n * np.log(temps) + k * np.log(2 * np.pi * B_TAU) + gammaln(A_TAU - k)
+    log_c -= gammaln(A_TAU)
+    a_t, b_t = A_TAU + n / (2 * temps), B_TAU + s / (2 * temps)
+    log_ev = A_TAU * np.log(B_TAU) - gammaln(A_TAU) - n / (2 * temps) * np.log(2 * np.pi)
+    log_ev += gammaln(a_t) - a_t * np.log(b_t)
+    w = softmax(np.log(0.5) + log_ev - log_c)
+    mean = float(w @ (a_t / b_t))
+    sd = float(np.sqrt(w @ (a_t / b_t**2 + (a_t / b_t) ** 2) - mean**2))
+    assert 0.3 < w[0] < 0.8  # both temperatures matter
+    ladder = Ladder(temps).with_log_partition_values(
+        log_c, sizes=model_sizes(precision_model, jnp.asarray(Y_TAU))
+    )
+    mcmc = MCMC(NUTS(multicanonical(precision_model, ladder)), num_warmup=200,
+                num_samples=400, progress_bar=False)
+    mcmc.run(jax.random.PRNGKey(0), jnp.asarray(Y_TAU))
+    tau = np.asarray(mcmc.get_samples()["tau"])
+    probs = np.asarray(mcmc.get_samples()["_multicanonical_probs"])[:, 0]
+    # within 4 Monte Carlo standard errors (sd / sqrt(ESS)), which are small enough to
+    # tell this posterior from its components (e.g. T = 1 alone: E[p(y = 1 | tau, x)] = 1)
+    se_tau = sd / np.sqrt(effective_sample_size(tau[None]))
+    se_w = probs.std() / np.sqrt(effective_sample_size(probs[None]))
+    assert abs(tau.mean() - mean) < 4 * se_tau < 0.3
+    assert abs(probs.mean() - w[0]) < 4 * se_w < 0.08
+    assert abs(a_t[0] / b_t[0] - mean) > 0.1
+
+
+# ---------------------------------------------------------------------------------------
+# Joint tempering of a summed-out local (joint=True): l_m = sum_n log sum_k
+# (w_k N(x_n; loc_k, s_k))^(1/T_m), no longer l / T_m. Objective and handler by hand.
+W_MIX, S_MIX = np.array([0.3, 0.7]), np.array([0.5, 2.0])
+
+
+def mixture_model(x):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        mix = dist.MixtureSameFamily(dist.Categorical(jnp.asarray(W_MIX)),
+                                     dist.Normal(loc, jnp.asarray(S_MIX)))
+        numpyro.sample("x", mix, obs=x)
+
+
+def mixture_guide(x):
+    numpyro.sample("loc", dist.Normal(jnp.array([-1.0, 1.5]), 0.3).to_event(1))
+
+
+def joint_lik(loc):  # (N, M): log sum_k (w_k N(x_n; loc_k, s_k))^(1/T_m)
+    comp = np.log(W_MIX) + norm.logpdf(np.asarray(X, np.float64)[:, None], loc, S_MIX)
+    return sp_logsumexp(comp[:, None, :] / TEMPS[None, :, None], axis=-1)
+
+
+def joint_log_c(n=1):
+    log_z = 0.5 * (1 - 1 / TEMPS[:, None]) * np.log(2 * np.pi * S_MIX**2)
+    log_z = log_z + 0.5 * np.log(TEMPS[:, None])
+    return n * sp_logsumexp(np.log(W_MIX) / TEMPS[:, None] + log_z, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def joint_ladder():
+    return Ladder(TEMPS, WEIGHTS).with_log_partition(
+        mixture_model, KEY, X, joint=True, plate="data", num_samples=4
+    )
+
+
+@pytest.mark.parametrize("plate", [None, "data"])
+def test_joint_tempering_objective_by_hand(joint_ladder, plate):
+    np.testing.assert_allclose(joint_ladder.log_c, joint_log_c(N), rtol=1e-5, atol=1e-5)
+    elbo = MulticanonicalELBO(joint_ladder, plate=plate, joint=True)
+    out = -jax.jit(lambda k: elbo.loss(k, {}, mixture_model, mixture_guide, X))(KEY)
+
+    @jax.jit
+    def draw(key):
+        _, guide_seed = jax.random.split(key)
+        return trace(seed(mixture_guide, guide_seed)).get_trace(X)["loc"]["value"]
+
+    loc = np.asarray(draw(KEY), np.float64)
+    lik = joint_lik(loc)
+    prior_q = norm.logpdf(loc, 0.0, 3.0).sum() - norm.logpdf(loc, [-1.0, 1.5], 0.3).sum()
+    if plate is None:
+        a = np.log(WEIGHTS) + lik.sum(0) - joint_log_c(N)
+    else:
+        a = np.log(WEIGHTS) + lik - joint_log_c(1)[None, :]
+    expected = prior_q + np.sum(sp_logsumexp(a, axis=-1))  # L_M(r*) = logsumexp per draw
+    np.testing.assert_allclose(out, expected, rtol=1e-5)
+    # tempering the marginal instead (joint=False) is a different objective
+    assert np.max(np.abs(lik.sum(0) - lik[:, 0].sum() / TEMPS)) > 0.5
+    plain = MulticanonicalELBO(joint_ladder, plate=plate)
+    other = -jax.jit(lambda k: plain.loss(k, {}, mixture_model, mixture_guide, X))(KEY)
+    assert abs(float(other) - float(out)) > 0.01
+
+
+@pytest.mark.parametrize("plate", [None, "data"])
+def test_joint_tempering_handler_by_hand(joint_ladder, plate):
+    mc = multicanonical(mixture_model, joint_ladder, plate=plate, joint=True)
+    loc = np.array([-0.8, 1.2])
+    lp = jax.jit(lambda v: log_density(mc, (X,), {}, {"loc": v})[0])(jnp.asarray(loc))
+    lik = joint_lik(loc)
+    if plate is None:
+        a = np.log(WEIGHTS) + lik.sum(0) - joint_log_c(N)
+    else:
+        a = np.log(WEIGHTS) + lik - joint_log_c(1)[None, :]
+    expected = norm.logpdf(loc, 0.0, 3.0).sum() + np.sum(sp_logsumexp(a, axis=-1))
+    np.testing.assert_allclose(lp, expected, rtol=1e-5)
+
+
+def test_condition_inside_or_outside_the_handler_gives_the_same_density():
+    def unobserved(x=None):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("data", N):
+            numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+    inside = multicanonical(condition(unobserved, {"x": X}), LADDER)
+    outside = condition(multicanonical(unobserved, LADDER), {"x": X})
+    lp_in = log_density(inside, (), {}, {"mu": 0.4})[0]
+    lp_out = log_density(outside, (), {}, {"mu": 0.4})[0]
+    reference = log_density(multicanonical(model, LADDER), (X,), {}, {"mu": 0.4})[0]
+    np.testing.assert_allclose(lp_in, reference, rtol=1e-6)
+    np.testing.assert_allclose(lp_out, reference, rtol=1e-6)

@@ -837,6 +837,153 @@ def test_enumerate_fallback():
     assert_allclose(lp[:, 0], log_pmf / 0.5 - res.log_normalizer[0], rtol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "d, T",
+    [(npd.Cauchy(0.0, 1.0), 3.0), (npd.StudentT(3.0), 10.0), (npd.Cauchy(0.0, 1.0), 2.0)],
+    ids=["cauchy-T3", "studentt3-T10", "cauchy-T2"],
+)
+def test_quadrature_fallback_refuses_divergent_integrals(d, T):
+    # int p^(1/T) diverges (tails |x|^(-2/T) and |x|^(-4/T)): the old rule returned finite
+    # numbers (25.1 for Cauchy at T = 3); now an error (concrete) or NaN (traced)
+    with x64():
+        with pytest.raises(ValueError, match="failed its self-checks"):
+            tempered_log_normalizer(d, T, fallback="quadrature")
+        traced = jax.jit(lambda t: tempered_log_normalizer(d, t, fallback="quadrature"))(T)
+        assert np.isnan(float(traced))
+        ok = jax.jit(lambda t: tempered_log_normalizer(d, t, fallback="quadrature"))(1.5)
+        if isinstance(d, npd.Cauchy):  # T = 1.5 converges: |x|^(-4/3)
+            assert np.isfinite(float(ok))
+
+
+# ------------------------------------------------------------------------------------------
+# Mixtures and the tempered sites of numpyro_tempering.handlers
+# ------------------------------------------------------------------------------------------
+
+
+def _mixture_quad(w, loc, scale, T):
+    """log int (sum_k w_k N(x; loc_k, scale_k))^(1/T) dx by scipy, split at the modes."""
+    w, loc, scale = (np.asarray(v, np.float64) for v in (w, loc, scale))
+
+    def log_f(x):
+        x = np.asarray(x)[..., None]
+        return special.logsumexp(np.log(w) + stats.norm.logpdf(x, loc, scale), axis=-1) / T
+
+    return log_quad(log_f, -np.inf, np.inf, points=sorted(set(loc.tolist())))
+
+
+MIXTURES = [  # well separated, narrow and separated (the old fallback missed them), overlapping
+    ([0.3, 0.7], [-5.0, 5.0], [1.0, 1.0]),
+    ([0.2, 0.3, 0.5], [-40.0, 0.0, 40.0], [0.003, 0.003, 0.003]),
+    ([0.2, 0.5, 0.3], [0.0, 0.1, 3.0], [1.0, 0.2, 2.0]),
+]
+
+
+@pytest.mark.parametrize("T", [0.7, 1.0, 10.0])
+@pytest.mark.parametrize("mix", MIXTURES, ids=["separated", "narrow", "overlapping"])
+def test_mixture_same_family_vs_scipy(mix, T):
+    w, loc, scale = mix
+    with x64():
+        d = npd.MixtureSameFamily(npd.Categorical(jnp.array(w)), npd.Normal(jnp.array(loc),
+                                                                              jnp.array(scale)))
+        got = float(tempered_log_normalizer(d, T))
+    assert_allclose(got, _mixture_quad(w, loc, scale, T), atol=1e-6)
+    if T == 1.0:
+        assert abs(got) < 1e-10  # C(1) = 1
+
+
+def test_mixture_rule_batches_ladders_and_float32():
+    w = jnp.array([0.3, 0.7])
+    loc = jnp.array([[-1.0, 1.0], [0.0, 8.0], [3.0, 4.0]])
+    d = npd.MixtureSameFamily(npd.Categorical(w), npd.Normal(loc, 0.5))
+    T = jnp.array([[1.0], [2.5]])
+    with x64():
+        got = tempered(d, T)
+    assert got.log_normalizer.shape == (2, 3)
+    for i, t in enumerate([1.0, 2.5]):
+        for j in range(3):
+            ref = _mixture_quad(np.asarray(w), np.asarray(loc[j]), [0.5, 0.5], t)
+            assert_allclose(got.log_normalizer[i, j], ref, atol=1e-6)
+    x = jnp.array([0.2, 7.0, 3.5])
+    assert_allclose(got.distribution.log_prob(x), d.log_prob(x) / T - got.log_normalizer,
+                    rtol=1e-12)
+    with jax.enable_x64(False):
+        d32 = npd.MixtureSameFamily(npd.Categorical(w.astype(jnp.float32)),
+                                    npd.Normal(loc.astype(jnp.float32), 0.5))
+        got32 = tempered_log_normalizer(d32, jnp.float32(2.5))
+        assert got32.dtype == jnp.float32
+        assert_allclose(got32, got.log_normalizer[1], atol=1e-4)
+
+
+def test_mixture_general_and_unresolvable_mixtures():
+    with x64():
+        g = npd.MixtureGeneral(npd.Categorical(jnp.array([0.3, 0.7])),
+                               [npd.Normal(0.0, 1.0), npd.Logistic(4.0, 0.5)])
+
+        def log_f(x):
+            return np.logaddexp(np.log(0.3) + stats.norm.logpdf(x),
+                                np.log(0.7) + stats.logistic.logpdf(x, 4.0, 0.5)) / 2.0
+
+        ref = log_quad(log_f, -np.inf, np.inf, points=[0.0, 4.0])
+        assert_allclose(tempered_log_normalizer(g, 2.0), ref, rtol=1e-8)
+        # a spike 100x narrower on top of a broad component: the rule cannot resolve it and
+        # says so (error when concrete, NaN when traced), never a wrong number
+        spike = npd.MixtureSameFamily(npd.Categorical(jnp.array([0.5, 0.5])),
+                                      npd.Normal(jnp.array([0.0, 0.1]), jnp.array([1.0, 0.01])))
+        with pytest.raises(ValueError, match="mixture quadrature .* failed its self-checks"):
+            tempered_log_normalizer(spike, 2.0)
+        assert np.isnan(float(jax.jit(tempered_log_normalizer)(spike, 2.0)))
+        with pytest.raises(NotImplementedError, match="discrete components"):
+            tempered_log_normalizer(npd.MixtureSameFamily(
+                npd.Categorical(jnp.array([0.5, 0.5])), npd.Poisson(jnp.array([1.0, 5.0]))), 2.0)
+
+
+@pytest.mark.parametrize("T", [0.7, 1.0, 3.0])
+def test_jointly_tempered_mixture_is_sum_of_tempered_components(T):
+    # int sum_k (w_k p_k(x))^(1/T) dx = sum_k w_k^(1/T) Z_k(T): closed form vs brute force
+    from numpyro_tempering.handlers import JointlyTempered
+
+    w, loc, scale = np.array([0.2, 0.8]), np.array([0.0, 0.5]), np.array([1.0, 0.3])
+    with x64():
+        mix = npd.MixtureSameFamily(npd.Categorical(jnp.asarray(w)),
+                                    npd.Normal(jnp.asarray(loc), jnp.asarray(scale)))
+        res = tempered(JointlyTempered(mix, 1.0), T)
+
+        def log_f(x):
+            return special.logsumexp((np.log(w) + stats.norm.logpdf(x, loc, scale)) / T)
+
+        ref = log_quad(np.vectorize(log_f), -np.inf, np.inf, points=[0.0, 0.5])
+        assert_allclose(res.log_normalizer, ref, rtol=1e-9, atol=1e-10)
+        # the tempered law is normalised, matches log p / T - log Z, and samples
+        x = jnp.linspace(-12.0, 12.0, 6001)
+        lp = res.distribution.log_prob(x)
+        assert_allclose(jnp.trapezoid(jnp.exp(lp), x), 1.0, rtol=1e-6)
+        assert_allclose(lp, JointlyTempered(mix, 1.0 / T).log_prob(x) - res.log_normalizer,
+                        rtol=1e-9, atol=1e-9)
+        draws = res.distribution.sample(jax.random.PRNGKey(0), (4000,))
+        mean = float(jnp.trapezoid(x * jnp.exp(lp), x))
+        assert abs(float(draws.mean()) - mean) < 4 * float(draws.std()) / math.sqrt(4000)
+        # a JointlyTempered already at 1/T0 = 2 tempered at T: the joint at T / 2
+        res2 = tempered_log_normalizer(JointlyTempered(mix, 2.0), T)
+        assert_allclose(res2, tempered_log_normalizer(JointlyTempered(mix, 1.0), T / 2.0),
+                        rtol=1e-12)
+        # MixtureGeneral components: the same closed form
+        gen = npd.MixtureGeneral(npd.Categorical(jnp.asarray(w)),
+                                 [npd.Normal(0.0, 1.0), npd.Normal(0.5, 0.3)])
+        assert_allclose(tempered_log_normalizer(JointlyTempered(gen, 1.0), T),
+                        res.log_normalizer, rtol=1e-12)
+
+
+def test_tempered_site_wrapper_rescales_the_temperature():
+    from numpyro_tempering.handlers import Tempered
+
+    with x64():
+        d = npd.Gamma(3.0, 2.0)
+        assert_allclose(tempered_log_normalizer(Tempered(d, 0.5), 3.0),
+                        tempered_log_normalizer(d, 6.0), rtol=1e-12)
+        law = tempered_distribution(Tempered(d, 0.5), 3.0)
+        assert float(law.concentration) == pytest.approx(1 + 2 / 6)
+
+
 # ------------------------------------------------------------------------------------------
 # Errors and the registry
 # ------------------------------------------------------------------------------------------

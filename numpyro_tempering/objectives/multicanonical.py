@@ -27,19 +27,38 @@ Global or local temperature
 ---------------------------
 * ``plate=None``: one temperature for the whole model (the paper's FMM).
 * ``plate="docs"``: one temperature per element of that plate (the paper's per-document
-  temperatures for LDA): :math:`q(y_n) \propto \exp\{\ell_n / T_m - \log C(T_m)/N +
+  temperatures for LDA): :math:`q(y_n) \propto \exp\{\ell_n / T_m - \log c_n(T_m) +
   \log\pi_m\}` with :math:`\ell_n` the expected log-likelihood of element :math:`n` and
-  :math:`N` the plate's full size. The ladder's ``log_c`` is always that of the *whole*
-  model; :math:`\log C(T)/N` is its per-element share, so that if every element has the
-  same temperature the per-element normalisers add up to :math:`\log C(T)` (exact when
-  :math:`\log C(T) = N \log c(T)`, e.g. when the per-element normaliser does not depend on
-  the globals; otherwise a mean-field share, as the paper's "log C scales with the number
-  of words", supplement B.1). Every tempered site must be inside the plate.
+  :math:`\log c_n(T)` that element's own normaliser, from the ladder's ``element_log_c``
+  (shape ``(M, N)``; see :mod:`numpyro_tempering.ladder`). Elements differ -- noise scales,
+  document lengths -- so an even split :math:`\log C/N` is exact only for identical
+  elements; a ladder without per-element values is refused. They are exact when the
+  per-element normaliser does not depend on the globals; otherwise
+  :func:`~numpyro_tempering.log_partition.log_partition` returns a documented split that
+  adds up to :math:`\log C`. Every tempered site must be inside the plate.
 
 Subsampling (``plate(..., subsample_size=B)``) works: the engine's per-element
-log-likelihoods carry the scale :math:`N/B`; the local :math:`\ell_n` is divided by it, and
-the per-element terms are scaled back by :math:`N/B`. A global temperature uses the
-unbiased minibatch estimate of :math:`\ell` (as the paper's Algorithm 1 does).
+log-likelihoods carry the scale :math:`N/B` and the subsample indices
+(``LogWeights.plate_indices``) that pick the minibatch's :math:`\log c_n`; the local
+:math:`\ell_n` is divided by the scale, and the per-element terms are scaled back by
+:math:`N/B`. A global temperature uses the unbiased minibatch estimate of :math:`\ell` (as
+the paper's Algorithm 1 does).
+
+Joint tempering
+---------------
+``joint=True`` tempers an observed mixture whose discrete local is summed out jointly, as
+:class:`~numpyro_tempering.temper` does: :math:`\ell_m = \log\sum_k p(x, z = k \mid
+\beta)^{1/T_m}` is no longer :math:`\ell / T_m`, so the objective evaluates the tempered
+log-likelihood at every temperature (one vectorised model run per rung) and uses
+:math:`\mathbb{E}_q[\ell_m]` in place of :math:`\ell/T_m` in eq. 13 and 18. The ladder must
+be computed with the same ``joint=True``.
+
+What is checked
+---------------
+The model's sizes against the ladder's (a ladder without sizes is refused, see
+:mod:`numpyro_tempering.ladder`); ``numpyro.param`` sites in the model are refused (SVI
+would change them and make the ladder's log C stale); a ladder with temperatures flagged
+as untrusted gives a warning.
 
 The learnt temperature trajectory
 ---------------------------------
@@ -57,6 +76,7 @@ Stock :class:`~numpyro.infer.SVI` returns only the loss per step, so this module
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -68,7 +88,13 @@ from numpyro.primitives import mutable
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import ModelSizes, _sizes_from_trace, _structure_trace
+from numpyro_tempering.log_partition import (
+    ModelSizes,
+    _sizes_from_trace,
+    _structure_trace,
+    model_params,
+    stale_params_message,
+)
 
 __all__ = [
     "RECORD",
@@ -96,27 +122,65 @@ class TemperaturePosterior(NamedTuple):
     mean_inverse_temperature: jax.Array
 
 
+def element_log_partition(
+    ladder: Ladder, plate_size: int, indices: jax.Array | None, dtype: Any
+) -> jax.Array:
+    r"""The minibatch's per-element :math:`\log c_n(T_m)`, shape ``(B, M)``.
+
+    ``indices``: the subsample indices of the plate (``LogWeights.plate_indices``), or
+    ``None`` for the full plate.
+    """
+    table = ladder.element_log_c
+    if table is None:
+        ladder.require_element_log_partition(ladder.plate or "<plate>")
+    if table.shape[1] != plate_size:
+        raise ValueError(
+            f"the ladder's element_log_c has {table.shape[1]} elements but plate "
+            f"'{ladder.plate}' has {plate_size}."
+        )
+    table = jnp.asarray(table, dtype).T  # (N, M)
+    return table if indices is None else table[jnp.asarray(indices)]
+
+
+def _tempered_likelihoods(
+    weights: LogWeights, inv_t: jax.Array, per_element: bool, by_temperature: jax.Array | None
+) -> jax.Array:
+    """Per particle (and element) log-likelihood at every temperature: ``(S, [B,] M)``."""
+    if by_temperature is not None:
+        return by_temperature
+    lik = weights.log_lik_elements if per_element else weights.log_lik
+    return lik[..., None] * inv_t
+
+
 def multicanonical_elbo(
     weights: LogWeights,
     ladder: Ladder,
     plate_size: int | None = None,
     probs: jax.Array | None = None,
+    *,
+    log_lik_by_temperature: jax.Array | None = None,
 ) -> tuple[jax.Array, TemperaturePosterior]:
     r"""The M-ELBO (eq. 13) from the engine's log weights, at :math:`q(y) = ` ``probs``.
 
     Args:
         weights: :class:`~numpyro_tempering.engine.LogWeights` of a model whose likelihood
-            sites are marked tempered (with ``log_lik_elements`` for a local temperature).
-        ladder: the ladder, with ``log_c``.
+            sites are marked tempered (with ``log_lik_elements`` and ``plate_indices`` for a
+            local temperature).
+        ladder: the ladder, with ``log_c`` (and ``element_log_c`` for a local temperature).
         plate_size: ``None`` for a global temperature; the full size ``N`` of the plate of
             ``weights.log_lik_elements`` for a local one.
         probs: :math:`q(y)`, shape ``(M,)`` (or ``(B, M)``); default the optimum eq. 18,
             computed from the current :math:`\ell` under ``stop_gradient``. Gradients flow
             through a given ``probs``.
+        log_lik_by_temperature: the tempered log-likelihood at every temperature,
+            ``(S, M)`` (or ``(S, B, M)``, with the subsample scale), when it is not
+            ``log_lik / T`` (joint tempering); default ``log_lik[..., None] / T``.
 
     Returns:
         ``(m_elbo, posterior)``; the gradient of ``m_elbo`` flows only through the
-        log weights, at the effective inverse temperature :math:`\mathbb{E}_q[1/T_y]`.
+        log weights: :math:`\sum_m r_m \nabla\ell_m`, i.e. the tempered ELBO's at the
+        effective inverse temperature :math:`\mathbb{E}_q[1/T_y]` when
+        :math:`\ell_m = \ell / T_m`.
 
     Example:
         >>> import jax.numpy as jnp
@@ -130,18 +194,24 @@ def multicanonical_elbo(
     """
     dtype = jnp.result_type(weights.log_lik.dtype, float)
     inv_t, log_pi, log_c = ladder.arrays(dtype)
-    if plate_size is None:
-        ell = jnp.mean(weights.log_lik)  # expected (scaled) log-likelihood
-        lik_particles = weights.log_lik  # (S,)
-        scale = 1.0
-    else:
-        if weights.log_lik_elements is None:
-            raise ValueError("a local temperature needs log_lik_elements (engine plate=...).")
+    per_element = plate_size is not None
+    if per_element and weights.log_lik_elements is None:
+        raise ValueError("a local temperature needs log_lik_elements (engine plate=...).")
+    lik = _tempered_likelihoods(weights, inv_t, per_element, log_lik_by_temperature)
+    if per_element:
         scale = weights.plate_scale
-        lik_particles = weights.log_lik_elements  # (S, B), with the subsample scale N/B
-        ell = jnp.mean(lik_particles, axis=0) / scale  # per element, unscaled
-        log_c = log_c / plate_size
-    logits = log_pi + jax.lax.stop_gradient(ell)[..., None] * inv_t - log_c
+        ell = jnp.mean(lik, axis=0) / scale  # (B, M), per element, unscaled
+        indices = weights.plate_indices
+        if indices is None and ell.shape[0] != plate_size:
+            raise ValueError(
+                "a subsampled plate needs LogWeights.plate_indices to pick the elements' "
+                "log c_n."
+            )
+        log_c = element_log_partition(ladder, plate_size, indices, dtype)
+    else:
+        scale = 1.0
+        ell = jnp.mean(lik, axis=0)  # (M,)
+    logits = log_pi + jax.lax.stop_gradient(ell) - log_c
     if probs is None:
         log_r = jax.nn.log_softmax(logits, axis=-1)
         r = jnp.exp(log_r)
@@ -149,17 +219,30 @@ def multicanonical_elbo(
         r = jnp.asarray(probs, dtype)
         log_r = jnp.log(r)
     # E_q[1/T_y]; eq. 18's r depends on the parameters only through stop_gradient(ell), so
-    # the parameter gradient is that of the tempered ELBO at inverse temperature beta
+    # the parameter gradient is sum_m r_m grad l_m (the tempered ELBO's at beta if linear)
     beta = jnp.sum(r * inv_t, axis=-1)
     mean_t = jnp.sum(r / inv_t, axis=-1)
     # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
     const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
-    if plate_size is None:
-        value = jnp.mean(weights.tempered_log_w(beta)) + const
-    else:
-        lik = jnp.sum(lik_particles * beta, axis=-1)  # (S,)
-        value = jnp.mean(weights.log_prior + lik - weights.log_q) + scale * jnp.sum(const)
+    expected = jnp.sum(r * lik, axis=-1)  # (S,) or (S, B)
+    if per_element:
+        expected = jnp.sum(expected, axis=-1)
+    value = jnp.mean(weights.log_prior + expected - weights.log_q) + scale * jnp.sum(const)
     return value, TemperaturePosterior(r, mean_t, beta)
+
+
+def warn_if_flagged(ladder: Ladder, who: str) -> None:
+    """Warn if the ladder's log C is flagged as untrusted at some temperatures."""
+    flagged = ladder.flagged
+    if flagged.any():
+        temps = [round(float(t), 4) for t in ladder.temperatures[flagged]]
+        warnings.warn(
+            f"{who}: the ladder's log C(T) is flagged as untrusted at T = {temps[:8]}"
+            f"{' ...' if len(temps) > 8 else ''} (see ladder.summary()): the multicanonical "
+            "weights exp(l/T - log C(T)) inherit its error, e^d for d nats.",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 class MulticanonicalELBO(ELBO):
@@ -168,19 +251,21 @@ class MulticanonicalELBO(ELBO):
     Args:
         ladder: a :class:`~numpyro_tempering.ladder.Ladder` holding :math:`\log C(T_m)` for
             this model (``ladder.with_log_partition(model, key, *args, ...)``, with the same
-            ``sites``/``latent``/``exclude``). The paper's default is
+            ``sites``/``latent``/``exclude``/``joint``, and ``plate`` for a per-element
+            temperature) and the model sizes it is for. The paper's default is
             ``Ladder.geometric(1.0, 10.0, 100)``.
         plate: ``None`` for one global temperature, or the name of a plate for one
-            temperature per element (see the module docstring).
-        sites, latent, exclude: which sites form the tempered likelihood, as in
-            :class:`~numpyro_tempering.temper` (default: the observed sites).
+            temperature per element (see the module docstring; the ladder must hold that
+            plate's per-element :math:`\log c_n`).
+        sites, latent, exclude, joint: which sites form the tempered likelihood and how,
+            as in :class:`~numpyro_tempering.temper` (default: the observed sites).
         num_particles: Monte Carlo particles (vectorised).
 
     The loss is :math:`-\mathcal{L}_M` at :math:`q(y) = r^*`. A ladder with only
     :math:`T = 1` and :math:`\log C(1) = 0` gives exactly
-    :class:`~numpyro.infer.Trace_ELBO` (value and gradient, same key). If the ladder
-    records the sizes it was computed for, a model of different sizes (plate sizes,
-    tempered sites, their shapes) is an error.
+    :class:`~numpyro.infer.Trace_ELBO` (value and gradient, same key). A model of other
+    sizes than the ladder's (plate sizes, tempered sites, their shapes), a ladder that
+    records no sizes, and a model with ``numpyro.param`` sites are errors.
 
     :math:`q(y)` is the exact maximiser at the *current* parameters at every step, including
     the first. (The paper's Algorithm 1 starts from a uniform :math:`q(y)` and updates it
@@ -218,6 +303,7 @@ class MulticanonicalELBO(ELBO):
         sites: str | Collection[str] | Callable | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
+        joint: bool = False,
         num_particles: int = 1,
     ) -> None:
         if not isinstance(ladder, Ladder):
@@ -225,19 +311,23 @@ class MulticanonicalELBO(ELBO):
         ladder.require_log_partition()
         if plate is not None and not isinstance(plate, str):
             raise TypeError(f"`plate` must be a plate name (str) or None, got {plate!r}.")
+        if plate is not None:
+            ladder.require_element_log_partition(plate)
+        warn_if_flagged(ladder, "MulticanonicalELBO")
         self.ladder = ladder
         self.plate = plate
-        self._selection = dict(sites=sites, latent=latent, exclude=exclude)
-        self._sizes_cache: dict[Any, ModelSizes] = {}
+        self.joint = bool(joint)
+        self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=self.joint)
+        self._sizes_cache: dict[Any, tuple[ModelSizes, list[str]]] = {}
         super().__init__(num_particles=num_particles)
 
-    def tempered_model(self, model: Callable) -> Callable:
-        """The model with its likelihood sites marked (``temper(model, 1.0, ...)``)."""
-        return temper(model, 1.0, **self._selection)
+    def tempered_model(self, model: Callable, temperature: Any = 1.0) -> Callable:
+        """The model with its likelihood sites marked (``temper(model, 1.0, ...)``), or
+        tempered at ``temperature``."""
+        return temper(model, temperature, **self._selection)
 
     # -- size checks ----------------------------------------------------------------------
-    def model_sizes(self, model: Callable, *args: Any, **kwargs: Any) -> ModelSizes:
-        """Sizes of ``model`` (checked against the ladder's); cached per model and shapes."""
+    def _structure(self, model: Callable, args: tuple, kwargs: dict) -> tuple:
         signature = jax.tree.map(
             lambda x: (jnp.shape(x), jnp.result_type(x)) if hasattr(x, "shape") else x,
             (args, kwargs),
@@ -248,34 +338,58 @@ class MulticanonicalELBO(ELBO):
             key = None
         if key is not None and key in self._sizes_cache:
             return self._sizes_cache[key]
-        sizes = _sizes_from_trace(_structure_trace(self.tempered_model(model), args, kwargs))
+        tr = _structure_trace(self.tempered_model(model), args, kwargs)
+        found = (_sizes_from_trace(tr), model_params(tr))
         if key is not None:
-            self._sizes_cache[key] = sizes
-        return sizes
+            self._sizes_cache[key] = found
+        return found
+
+    def model_sizes(self, model: Callable, *args: Any, **kwargs: Any) -> ModelSizes:
+        """Sizes of ``model`` (checked against the ladder's); cached per model and shapes."""
+        return self._structure(model, args, kwargs)[0]
 
     def _plate_size(self, model: Callable, args: tuple, kwargs: dict) -> int | None:
-        sizes = self.model_sizes(model, *args, **kwargs)
+        sizes, params = self._structure(model, args, kwargs)
+        if params:
+            raise ValueError(stale_params_message(params, "MulticanonicalELBO"))
         self.ladder.check_sizes(sizes)
         if self.plate is None:
             return None
         return sizes.plate_size(self.plate)
 
     # -- evaluation -----------------------------------------------------------------------
+    def _weights(self, rng_key, param_map, model, guide, args, kwargs):
+        """Log weights, and the tempered log-likelihood at every rung if ``joint``."""
+
+        def at(temperature: Any) -> LogWeights:
+            return log_weights(
+                rng_key,
+                param_map,
+                self.tempered_model(model, temperature),
+                guide,
+                args,
+                kwargs,
+                num_particles=self.num_particles,
+                plate=self.plate,
+            )
+
+        if not self.joint:
+            return at(1.0), None
+        # l_m is not l / T_m: one run per rung, same draws (the sampling ignores T)
+        temps = jnp.asarray(self.ladder.temperatures, jnp.result_type(float))
+        stacked = jax.vmap(at)(temps)
+        lik = stacked.log_lik if self.plate is None else stacked.log_lik_elements
+        first = jax.tree.map(lambda v: v[0], stacked)
+        return first, jnp.moveaxis(lik, 0, -1)
+
     def _evaluate(
         self, rng_key, param_map, model, guide, args, kwargs
     ) -> tuple[jax.Array, TemperaturePosterior, dict | None]:
         plate_size = self._plate_size(model, args, kwargs)
-        weights = log_weights(
-            rng_key,
-            param_map,
-            self.tempered_model(model),
-            guide,
-            args,
-            kwargs,
-            num_particles=self.num_particles,
-            plate=self.plate,
+        weights, by_temperature = self._weights(rng_key, param_map, model, guide, args, kwargs)
+        value, posterior = multicanonical_elbo(
+            weights, self.ladder, plate_size, log_lik_by_temperature=by_temperature
         )
-        value, posterior = multicanonical_elbo(weights, self.ladder, plate_size)
         return value, posterior, weights.mutable_state
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
