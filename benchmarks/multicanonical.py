@@ -39,10 +39,10 @@ from numpyro.infer.autoguide import AutoNormal
 from timing import interleaved, print_ratios
 
 from numpyro_tempering import Ladder, MulticanonicalELBO
-from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
 from numpyro_tempering.models.regression import hierarchical_regression, regression_data
 from numpyro_tempering.objectives.multicanonical import record_temperatures
+from numpyro_tempering.partition_function import model_sizes
 
 
 def problems(key, num_temperatures):

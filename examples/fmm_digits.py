@@ -44,9 +44,9 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_tempering import Ladder, MulticanonicalELBO, log_weights, temper
-from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
 from numpyro_tempering.objectives.multicanonical import record_temperatures
+from numpyro_tempering.partition_function import model_sizes
 
 METHODS = ("VI", "AVI", "MVI", "MVI+T1")
 

@@ -89,9 +89,9 @@ from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
 from numpyro_tempering import Ladder, MulticanonicalELBO, log_partition
-from numpyro_tempering.log_partition import model_sizes
 from numpyro_tempering.models import fmm
 from numpyro_tempering.objectives.multicanonical import record_temperatures
+from numpyro_tempering.partition_function import model_sizes
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

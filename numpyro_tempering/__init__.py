@@ -1,16 +1,21 @@
 """numpyro-tempering: tempering, multicanonical VI and evidence bounds for NumPyro."""
 
-from numpyro_tempering import bounds, partition, schedules
+from numpyro_tempering import bounds, guides, models, partition, schedules, warmstart
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import analytic_log_partition, jensen_bounds, log_partition
-from numpyro_tempering.multicanonical import multicanonical
-from numpyro_tempering.objectives import CUBO, KLpq, MulticanonicalELBO, TemperedELBO
+from numpyro_tempering.multicanonical_model import multicanonical
+from numpyro_tempering.objectives import CUBO, Annealed, KLpq, MulticanonicalELBO, TemperedELBO
+from numpyro_tempering.partition_function import (
+    analytic_log_partition,
+    jensen_bounds,
+    log_partition,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Annealed",
     "CUBO",
     "KLpq",
     "Ladder",
@@ -19,11 +24,14 @@ __all__ = [
     "TemperedELBO",
     "analytic_log_partition",
     "bounds",
+    "guides",
     "jensen_bounds",
     "log_partition",
     "log_weights",
+    "models",
     "multicanonical",
     "partition",
     "schedules",
     "temper",
+    "warmstart",
 ]

@@ -18,7 +18,7 @@ The paper's default is 100 temperatures from 1 to 10 on an exponential scale wit
 weights (section 4.1): :meth:`Ladder.geometric` with its defaults.
 
 **Trust.** A Monte Carlo log C can be off by hundreds of nats with a small standard error
-(see :mod:`numpyro_tempering.log_partition`). The ladder keeps, per temperature, the
+(see :mod:`numpyro_tempering.partition_function`). The ladder keeps, per temperature, the
 standard error ``stderr``, the effective sample size ``ess`` and the Pareto :math:`\hat k`
 ``pareto_k`` of the estimate; ``flagged`` marks the temperatures whose estimate cannot be
 trusted, and the ``repr`` and :meth:`Ladder.summary` show them. The multicanonical objective
@@ -64,13 +64,13 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.util import not_jax_tracer
 
-from numpyro_tempering.log_partition import (
+from numpyro_tempering.partition import Fallback
+from numpyro_tempering.partition_function import (
     ModelSizes,
     Selection,
     flag_untrusted,
     log_partition,
 )
-from numpyro_tempering.partition import Fallback
 
 __all__ = ["UNCHECKED", "Ladder", "ModelSizes"]
 
@@ -184,7 +184,7 @@ class Ladder:
         temperatures: strictly increasing, finite, ``T_1 = 1`` exactly.
         weights: prior :math:`\pi_m` (non-negative, summing to 1); uniform by default.
         log_c: :math:`\log C(T_m)` of the *whole* model (see
-            :mod:`numpyro_tempering.log_partition`), or ``None`` until computed.
+            :mod:`numpyro_tempering.partition_function`), or ``None`` until computed.
         stderr: Monte Carlo standard error of ``log_c`` (``None`` if exact / unknown).
         sizes: the :class:`ModelSizes` ``log_c`` was computed for; objectives and the handler
             refuse a model of different sizes, and a ladder with ``sizes=None``.
@@ -343,7 +343,7 @@ class Ladder:
     @property
     def flagged(self) -> np.ndarray:
         """Per temperature: whether the Monte Carlo ``log_c`` cannot be trusted (see
-        :func:`~numpyro_tempering.log_partition.flag_untrusted`); all ``False`` without
+        :func:`~numpyro_tempering.partition_function.flag_untrusted`); all ``False`` without
         diagnostics (a given closed form)."""
         if self.ess is None or not _concrete(self.ess, self.pareto_k):
             return np.zeros(self.num_temperatures, bool)
@@ -396,7 +396,7 @@ class Ladder:
                 f"{what} does not record the model sizes it was computed for, so it cannot "
                 "be checked against this model (plate sizes, tempered sites). Give them: "
                 "ladder.with_log_partition_values(log_c, sizes=model_sizes(model, *args, "
-                "sites=..., latent=..., exclude=...)) (numpyro_tempering.log_partition."
+                "sites=..., latent=..., exclude=...)) (numpyro_tempering.partition_function."
                 "model_sizes), or sizes=UNCHECKED (numpyro_tempering.ladder) to vouch for "
                 "log C yourself."
             )
@@ -460,7 +460,7 @@ class Ladder:
         **kwargs: Any,
     ) -> Ladder:
         """A copy holding log C estimated by
-        :func:`~numpyro_tempering.log_partition.log_partition` (same arguments; it warns
+        :func:`~numpyro_tempering.partition_function.log_partition` (same arguments; it warns
         about untrusted temperatures), with its standard error, effective sample size,
         Pareto :math:`\\hat k`, the model sizes and, with ``plate`` on the full plate, the
         per-element log c_n.

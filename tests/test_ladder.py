@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numpyro_tempering.ladder import UNCHECKED, Ladder
-from numpyro_tempering.log_partition import ModelSizes, log_partition, model_sizes
+from numpyro_tempering.partition_function import ModelSizes, log_partition, model_sizes
 
 KEY = jax.random.PRNGKey(3)
 

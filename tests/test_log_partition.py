@@ -13,7 +13,8 @@ import pytest
 from scipy import integrate
 from scipy.special import betaln, comb, logsumexp
 
-from numpyro_tempering.log_partition import (
+from numpyro_tempering.partition import TemperedResult, register_tempered
+from numpyro_tempering.partition_function import (
     ModelSizes,
     analytic_log_partition,
     flag_untrusted,
@@ -23,7 +24,6 @@ from numpyro_tempering.log_partition import (
     pareto_k,
     pareto_k_threshold,
 )
-from numpyro_tempering.partition import TemperedResult, register_tempered
 
 KEY = jax.random.PRNGKey(0)
 TEMPS = np.array([1.0, 1.5, 3.0, 10.0])

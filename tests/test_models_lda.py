@@ -11,8 +11,8 @@ from numpyro.infer.util import log_density
 from scipy.special import gammaln
 from scipy.stats import dirichlet
 
-from numpyro_tempering.log_partition import log_partition, model_sizes
 from numpyro_tempering.models import lda
+from numpyro_tempering.partition_function import log_partition, model_sizes
 
 K, V, D, L = 3, 6, 4, 5
 

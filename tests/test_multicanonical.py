@@ -18,14 +18,14 @@ from scipy.stats import norm
 from numpyro_tempering import TemperedELBO, temper
 from numpyro_tempering.engine import log_weights
 from numpyro_tempering.ladder import UNCHECKED, Ladder
-from numpyro_tempering.log_partition import model_sizes
-from numpyro_tempering.multicanonical import multicanonical
+from numpyro_tempering.multicanonical_model import multicanonical
 from numpyro_tempering.objectives.multicanonical import (
     MulticanonicalELBO,
     multicanonical_elbo,
     record_temperatures,
     temperature_history,
 )
+from numpyro_tempering.partition_function import model_sizes
 
 SIGMA = 0.5
 X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1])

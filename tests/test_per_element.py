@@ -21,9 +21,9 @@ from scipy.special import logsumexp
 from scipy.stats import norm
 
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import log_partition, model_sizes
-from numpyro_tempering.multicanonical import multicanonical
+from numpyro_tempering.multicanonical_model import multicanonical
 from numpyro_tempering.objectives.multicanonical import MulticanonicalELBO
+from numpyro_tempering.partition_function import log_partition, model_sizes
 
 SIGMA = np.array([0.05, 0.3, 1.0, 2.5, 6.0, 0.5])
 X = jnp.array([0.3, -0.2, 1.4, 2.2, -3.0, 0.9])

@@ -18,7 +18,7 @@ What this module provides
   ``plate("docs", D)`` (dim -2) ``theta`` and, inside ``plate("words", L)`` (dim -1), the
   observed ``w``. Tempering ``w`` tempers each word, :math:`p(w_{dn}\mid\theta_d,\beta)^{1/T}`,
   whose normaliser is supplement eq. 6, :math:`\sum_v (\sum_k\theta_{dk}\beta_{kv})^{1/T}`:
-  :func:`~numpyro_tempering.log_partition.log_partition` on this model is supplement eq. 7
+  :func:`~numpyro_tempering.partition_function.log_partition` on this model is supplement eq. 7
   (with ``plate="docs"``).
 * :func:`multinomial_model`: the same likelihood on word *counts*,
   ``Multinomial(L_d, theta_d @ beta)``. Its log density is :func:`model`'s plus the

@@ -34,7 +34,7 @@ Global or local temperature
   document lengths -- so an even split :math:`\log C/N` is exact only for identical
   elements; a ladder without per-element values is refused. They are exact when the
   per-element normaliser does not depend on the globals; otherwise
-  :func:`~numpyro_tempering.log_partition.log_partition` returns a documented split that
+  :func:`~numpyro_tempering.partition_function.log_partition` returns a documented split that
   adds up to :math:`\log C`. Every tempered site must be inside the plate.
 
 Subsampling (``plate(..., subsample_size=B)``) works: the engine's per-element
@@ -88,7 +88,7 @@ from numpyro.primitives import mutable
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import (
+from numpyro_tempering.partition_function import (
     ModelSizes,
     _sizes_from_trace,
     _structure_trace,

@@ -82,8 +82,8 @@ Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer.util import log_density
     >>> from numpyro_tempering.ladder import Ladder
-    >>> from numpyro_tempering.log_partition import model_sizes
-    >>> from numpyro_tempering.multicanonical import multicanonical
+    >>> from numpyro_tempering.partition_function import model_sizes
+    >>> from numpyro_tempering.multicanonical_model import multicanonical
     >>> def model(x):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     ...     numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
@@ -113,8 +113,8 @@ from numpyro.primitives import Messenger
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, JointlyTempered, temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.log_partition import sizes_from_sites, stale_params_message
 from numpyro_tempering.objectives.multicanonical import element_log_partition, warn_if_flagged
+from numpyro_tempering.partition_function import sizes_from_sites, stale_params_message
 
 __all__ = ["multicanonical", "MULTICANONICAL"]
 

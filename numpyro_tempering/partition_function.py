@@ -120,7 +120,7 @@ mixture site whose discrete local is summed out is tempered as
 
 Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
-    >>> from numpyro_tempering.log_partition import log_partition
+    >>> from numpyro_tempering.partition_function import log_partition
     >>> def model(x):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
     ...     with numpyro.plate("data", x.shape[0]):
@@ -649,7 +649,7 @@ def _prepare(
     return marked, temps, structure
 
 
-#: largest |log Z(1)| per element accepted for a tempered site (a normalised density has 0)
+#: largest ``abs(log Z(1))`` per element accepted for a tempered site (a normalised density has 0)
 LOG_Z1_TOL = 1e-3
 
 

@@ -1,0 +1,19 @@
+"""The package's public surface: submodules reachable, no public name shadowing a submodule."""
+
+import importlib
+import pkgutil
+
+import numpyro_tempering
+
+
+def test_submodules_are_reachable_from_the_package():
+    for name in ("guides", "models", "warmstart", "bounds", "partition", "schedules"):
+        assert getattr(numpyro_tempering, name).__name__ == f"numpyro_tempering.{name}"
+
+
+def test_no_public_name_shadows_a_submodule():
+    submodules = {m.name for m in pkgutil.iter_modules(numpyro_tempering.__path__)}
+    for name in numpyro_tempering.__all__:
+        value = getattr(numpyro_tempering, name)
+        if name in submodules:  # allowed only if the name *is* that submodule
+            assert value is importlib.import_module(f"numpyro_tempering.{name}"), name
