@@ -1,6 +1,6 @@
 """numpyro-tempering: tempering, multicanonical VI and evidence bounds for NumPyro."""
 
-from numpyro_tempering import bounds, guides, models, partition, schedules, warmstart
+from numpyro_tempering import bounds, diagnostics, guides, models, partition, schedules, warmstart
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
@@ -24,6 +24,7 @@ __all__ = [
     "TemperedELBO",
     "analytic_log_partition",
     "bounds",
+    "diagnostics",
     "guides",
     "jensen_bounds",
     "log_partition",
