@@ -5,7 +5,7 @@ whose support is the probability simplex
 :math:`\Delta^K = \{x \in \mathbb{R}^K_{>0} : \sum_k x_k = 1\}` (document-topic
 proportions, mixture weights, ...), following appendix C of Pradier & Hughes,
 *"Challenges in Computing and Optimizing Upper Bounds of Marginal Likelihood based on
-Chi-Square Divergences"* (``/work/shared/papers/chi-square-upper-bounds-challenges.txt``):
+Chi-Square Divergences"* (Pradier et al. 2019):
 
 * :class:`AutoDirichlet` -- :math:`q(x) = \mathrm{Dir}(x \mid \hat\theta)` (appendix C.1).
   Sampling is reparameterised through JAX's implicit gradients of the Gamma sampler
