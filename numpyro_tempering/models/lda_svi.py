@@ -101,6 +101,7 @@ __all__ = [
     "initial_gamma",
     "learning_rate",
     "local_step",
+    "as_mesh",
     "update",
 ]
 
@@ -504,27 +505,54 @@ def update(
         >>> int(s2.step), bool(info.rho == learning_rate(0, cfg.tau, cfg.kappa))
         (1, True)
     """
-    lam = state.lam
-    dtype = lam.dtype
     real = jnp.arange(gamma0.shape[0]) < batch_docs
-    num_real = jnp.maximum(jnp.sum(real), 1).astype(dtype)
+    stats = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0, row_doc)
+    return _global_step(cfg, state, stats, batch_docs, temperature)
+
+
+class _Stats(NamedTuple):
+    """A minibatch's (or one device's share of it) contribution to the global step."""
+
+    sstats: jax.Array  # (V, K): sum_d n_dv phi_dvk / T_d
+    sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
+    sum_iters: jax.Array  # sum over real documents of their sweeps
+    num_real: jax.Array  # number of real (not padding) documents
+
+
+def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _Stats:
+    """Local updates of the documents (``real``: not padding) and their summed sufficient
+    statistics: a sum over documents, so shards of a minibatch add up (``psum``)."""
+    dtype = lam.dtype
     if isinstance(temperature, tuple):
         local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
-        mean_t = jnp.sum(jnp.where(real, expected_t, 0)) / num_real
+        sum_t = jnp.sum(jnp.where(real, expected_t, 0))
     else:
         t = jnp.asarray(temperature, dtype)
         local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
-        mean_t = t
+        sum_t = jnp.zeros((), dtype)
     k = cfg.num_topics
     sstats = jnp.zeros((cfg.vocab_size, k), dtype).at[jnp.ravel(ids)].add(
         local.sstats.reshape(-1, k)
     )
+    sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
+    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)))
+
+
+def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
+    """The tempered natural-gradient step on lambda (eq. 16) from summed statistics."""
+    lam = state.lam
+    dtype = lam.dtype
+    num_real = jnp.maximum(stats.num_real, 1).astype(dtype)
+    if isinstance(temperature, tuple):
+        mean_t = stats.sum_t / num_real
+    else:
+        mean_t = jnp.asarray(temperature, dtype)
     scale = jnp.asarray(cfg.num_docs, dtype) / jnp.asarray(batch_docs, dtype)
-    lam_hat = cfg.eta + scale * sstats.T
+    lam_hat = cfg.eta + scale * stats.sstats.T
     rho = learning_rate(state.step, cfg.tau, cfg.kappa).astype(dtype)
     new_lam = (1 - rho) * lam + rho * lam_hat
-    iters = jnp.sum(jnp.where(real, local.iterations, 0)).astype(dtype) / num_real
+    iters = stats.sum_iters.astype(dtype) / num_real
     return OnlineLDAState(new_lam, state.step + 1), StepInfo(rho, mean_t, iters)
 
 
@@ -597,19 +625,101 @@ def _batch_rows(docs: np.ndarray, start: np.ndarray, per_doc: np.ndarray):
 
 
 _corpus_step_jit = jax.jit(_corpus_step, static_argnums=0, donate_argnums=1)
+
+
+def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows, row_doc,
+                  batch_docs, gamma0, temperature):
+    """:func:`_corpus_step` data-parallel over the ``"data"`` axis of ``mesh``: each device
+    runs the local updates of its share of the minibatch (``batch``, ``rows``, ``row_doc``,
+    ``gamma0`` are split along their first axis; ``row_doc`` counts within the share), the
+    statistics are summed over devices (``psum``), and every device takes the same global
+    step on its replicated copy of lambda."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    def local(lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature):
+        ids, counts = all_ids[rows], all_counts[rows]
+        if isinstance(temperature, tuple):
+            temperature = (*temperature, all_log_c[batch])
+        stats = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature, gamma0,
+                            row_doc)
+        return jax.lax.psum(stats, _DATA_AXIS)
+
+    data, rep = P(_DATA_AXIS), P()
+    stats = jax.shard_map(
+        local, mesh=mesh, in_specs=(rep, rep, rep, rep, data, data, data, data, rep),
+        out_specs=rep,
+    )(state.lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature)
+    new_state, info = _global_step(cfg, state, stats, batch_docs, temperature)
+    replicated = NamedSharding(mesh, rep)
+    return jax.lax.with_sharding_constraint((new_state, info), replicated)
+
+
+_sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=2)
+_DATA_AXIS = "data"
 _COMPILED: dict = {}
 
 
-def _compiled_step(cfg, args) -> tuple[Callable, float]:
+def _compiled_step(cfg, args, mesh=None) -> tuple[Callable, float]:
     """The compiled update for these static settings and shapes (compiled once per process),
     and the seconds its compilation took (0 when cached)."""
-    key = (cfg, *[(x.shape, x.dtype) for x in jax.tree.leaves(args)])
+    key = (cfg, mesh, *[(x.shape, x.dtype) for x in jax.tree.leaves(args)])
     if key in _COMPILED:
         return _COMPILED[key], 0.0
     start = time.perf_counter()
-    compiled = _corpus_step_jit.lower(cfg, *args).compile()
+    if mesh is None:
+        compiled = _corpus_step_jit.lower(cfg, *args).compile()
+    else:
+        compiled = _sharded_step_jit.lower(cfg, mesh, *args).compile()
     _COMPILED[key] = compiled
     return compiled, time.perf_counter() - start
+
+
+def _no_placement(x, sharded: bool):
+    return jax.tree.map(jnp.asarray, x)
+
+
+def _place(mesh, x, sharded: bool):
+    """``x`` on the mesh: split along its first axis over ``"data"``, or replicated."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    spec = P(_DATA_AXIS) if sharded else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def as_mesh(mesh: Any) -> Any:
+    """``None`` (one device), a number of devices n (the first n of ``jax.devices()``), a
+    sequence of devices, or a ``jax.sharding.Mesh`` with a ``"data"`` axis -> a Mesh or None.
+
+    Example:
+        >>> as_mesh(None) is None
+        True
+        >>> as_mesh(1).shape["data"]
+        1
+    """
+    from jax.sharding import Mesh
+
+    if mesh is None or isinstance(mesh, Mesh):
+        if mesh is not None and _DATA_AXIS not in mesh.axis_names:
+            raise ValueError(f"`mesh` must have a {_DATA_AXIS!r} axis, got axes "
+                             f"{mesh.axis_names}.")
+        return mesh
+    if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
+        available = jax.devices()
+        if not 1 <= mesh <= len(available):
+            raise ValueError(f"`mesh` asks for {mesh} devices; {len(available)} available "
+                             "(on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N "
+                             "before importing JAX).")
+        return Mesh(np.array(available[:mesh]), (_DATA_AXIS,))
+    try:
+        devices = list(mesh)
+    except TypeError:
+        raise TypeError("`mesh` must be None, a number of devices, a sequence of devices or a "
+                        f"jax.sharding.Mesh, got {type(mesh).__name__}.") from None
+    if not devices:
+        raise ValueError("`mesh` is an empty sequence of devices.")
+    return Mesh(np.array(devices), (_DATA_AXIS,))
 
 
 def _progress(total: int, enabled: bool):
@@ -639,6 +749,7 @@ def fit(
     state: OnlineLDAState | None = None,
     progress_bar: bool = False,
     row_width: int = 64,
+    mesh: Any = None,
 ) -> FitResult:
     r"""Fit LDA by annealed / multicanonical stochastic VI (Algorithm 1 of Mandt et al. 2016).
 
@@ -662,6 +773,14 @@ def fit(
         row_width: documents are cut into rows of this many distinct words (a long document
             spans several rows), so that padding costs little whatever the spread of
             document lengths; a minibatch holds as many rows as the largest one needs.
+        mesh: data parallelism (:func:`as_mesh`): ``None`` (one device, the default), a
+            number of devices, a sequence of devices, or a ``jax.sharding.Mesh`` with a
+            ``"data"`` axis. Each minibatch is split into equal shares of consecutive
+            documents, one per device (padded with empty documents), the corpus and
+            :math:`\lambda` are replicated, each device runs its documents' local updates,
+            the sufficient statistics (a sum over documents) are summed over devices
+            (``psum``) and every device takes the same global step: the same fit as on one
+            device up to the order of floating-point additions.
 
     The update is compiled once per process for given settings and shapes (timed
     separately as ``compile_seconds``, 0 when reused); the schedule is evaluated on the host
@@ -684,6 +803,7 @@ def fit(
     cfg = config(num_topics, corpus.vocab_size, num_docs, alpha=alpha, eta=eta, tau=tau,
                  kappa=kappa, max_doc_iter=max_doc_iter, tol=tol)
     dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
+    mesh = as_mesh(mesh)
     schedule = _as_schedule(temperature)
     if schedule is not None and callable(temperature):
         schedules.validate(temperature, name="temperature")
@@ -719,30 +839,49 @@ def fit(
         for b in range(steps_per_pass):
             batches.append(order[b * batch_size:(b + 1) * batch_size])
     batches = batches[:num_steps]
-    rows = [_batch_rows(docs, row_start, rows_per_doc) for docs in batches]
-    max_rows = max(max(r[0].size for r in rows), 1)
     num_rows = row_ids.shape[0]
+    if mesh is None:
+        shards, per_shard, put = 1, batch_size, _no_placement
+    else:
+        shards = mesh.shape[_DATA_AXIS]
+        per_shard = -(-batch_size // shards)
+        put = partial(_place, mesh)
+    padded_size = shards * per_shard
+    # each minibatch padded to padded_size documents (index D: empty), cut into shards of
+    # per_shard consecutive documents, each with its own rows (row_doc within the shard)
+    doc_shards = [np.pad(docs, (0, padded_size - docs.size), constant_values=num_docs)
+                  .reshape(shards, per_shard) for docs in batches]
+    rows = [[_batch_rows(chunk[chunk < num_docs], row_start, rows_per_doc) for chunk in sh]
+            for sh in doc_shards]
+    max_rows = max(max(r.size for sh in rows for r, _ in sh), 1)
 
-    def padded(docs, rows_and_owner):
-        r, owner = rows_and_owner
-        return (jnp.asarray(np.pad(docs, (0, batch_size - docs.size),
-                                   constant_values=num_docs)),
-                jnp.asarray(np.pad(r, (0, max_rows - r.size), constant_values=num_rows)),
-                jnp.asarray(np.pad(owner, (0, max_rows - r.size), constant_values=batch_size)),
-                jnp.asarray(docs.size, jnp.int32))
+    def padded(docs, sh, doc_rows):
+        return (put(sh.reshape(-1), True),
+                put(np.concatenate([np.pad(r, (0, max_rows - r.size), constant_values=num_rows)
+                                    for r, _ in doc_rows]), True),
+                put(np.concatenate([np.pad(o, (0, max_rows - o.size), constant_values=per_shard)
+                                    for _, o in doc_rows]), True),
+                put(np.asarray(docs.size, np.int32), False))
 
-    state = jax.tree.map(jnp.array, state)  # donated below: never the caller's arrays
-    example = (state, all_ids, all_counts, all_log_c, *padded(batches[0], rows[0]),
-               jnp.zeros((batch_size, num_topics), dtype), temps_in[0])
-    compiled, compile_seconds = _compiled_step(cfg, example)
+    def first_gamma():
+        g = initial_gamma(rng, batch_size, num_topics)
+        return put(np.vstack([g, np.ones((padded_size - batch_size, num_topics))])
+                   .astype(dtype), True)
+
+    state = put(jax.tree.map(jnp.array, state), False)  # donated: never the caller's arrays
+    all_ids, all_counts, all_log_c = put((all_ids, all_counts, all_log_c), False)
+    temps_in = [put(t, False) for t in temps_in]
+    example = (state, all_ids, all_counts, all_log_c,
+               *padded(batches[0], doc_shards[0], rows[0]),
+               put(np.zeros((padded_size, num_topics), dtype), True), temps_in[0])
+    compiled, compile_seconds = _compiled_step(cfg, example, mesh)
 
     bar = _progress(num_steps, progress_bar)
     infos = []
     start = time.perf_counter()
-    for docs, doc_rows, temp in zip(batches, rows, temps_in, strict=True):
-        gamma0 = jnp.asarray(initial_gamma(rng, batch_size, num_topics), dtype)
-        state, info = compiled(state, all_ids, all_counts, all_log_c, *padded(docs, doc_rows),
-                               gamma0, temp)
+    for docs, sh, doc_rows, temp in zip(batches, doc_shards, rows, temps_in, strict=True):
+        state, info = compiled(state, all_ids, all_counts, all_log_c,
+                               *padded(docs, sh, doc_rows), first_gamma(), temp)
         infos.append(info)
         if bar is not None:
             bar.update(1)
