@@ -10,7 +10,7 @@ import numpy as np
 from numpyro_tempering import temper
 from numpyro_tempering.engine import log_weights
 from numpyro_tempering.models import fmm
-from numpyro_tempering.objectives.multicanonical import RECORD
+from numpyro_tempering.temperatures import TemperatureRecord
 
 
 def prior_inits(keys, shape, scale: float) -> list:
@@ -48,9 +48,9 @@ def make_step(name: str, svi, x, inv_t):
             state, _ = svi.update(state, x, temperature=temperature)
             return (state, beta), temperature
         state, _ = svi.update(state, x, beta)
-        record = state.mutable_state[RECORD]
-        probs = record["probs"][record["step"] - 1]
-        return (state, jnp.dot(probs, inv_t)), jnp.dot(probs, 1.0 / inv_t)
+        (record,) = (v for v in state.mutable_state.values() if isinstance(v, TemperatureRecord))
+        last = record.step - 1
+        return (state, record.mean_inverse_temperature[last]), record.mean_temperature[last]
 
     return step
 

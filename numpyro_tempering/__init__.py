@@ -1,6 +1,15 @@
 """numpyro-tempering: tempering, multicanonical VI and evidence bounds for NumPyro."""
 
-from numpyro_tempering import bounds, diagnostics, guides, models, partition, schedules, warmstart
+from numpyro_tempering import (
+    bounds,
+    diagnostics,
+    guides,
+    models,
+    partition,
+    schedules,
+    temperatures,
+    warmstart,
+)
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
@@ -10,6 +19,12 @@ from numpyro_tempering.partition_function import (
     analytic_log_partition,
     jensen_bounds,
     log_partition,
+)
+from numpyro_tempering.temperatures import (
+    mean_inverse_temperature,
+    record_temperatures,
+    temperature_history,
+    temperature_posterior,
 )
 
 __version__ = "0.1.0"
@@ -29,10 +44,15 @@ __all__ = [
     "jensen_bounds",
     "log_partition",
     "log_weights",
+    "mean_inverse_temperature",
     "models",
     "multicanonical",
     "partition",
+    "record_temperatures",
     "schedules",
     "temper",
+    "temperature_history",
+    "temperature_posterior",
+    "temperatures",
     "warmstart",
 ]

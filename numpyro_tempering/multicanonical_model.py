@@ -106,15 +106,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpyro
-from jax.scipy.special import logsumexp
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, JointlyTempered, temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.objectives.multicanonical import element_log_partition, warn_if_flagged
 from numpyro_tempering.partition_function import sizes_from_sites, stale_params_message
+from numpyro_tempering.temperatures import (
+    element_log_partition,
+    temperature_posterior,
+    warn_if_flagged,
+)
 
 __all__ = ["multicanonical", "MULTICANONICAL"]
 
@@ -243,15 +246,15 @@ class multicanonical(Messenger):
         sites = [(r["name"], r["fn"], r["cond_indep_stack"]) for r in self._records]
         self.ladder.check_sizes(sizes_from_sites(plates, sites))
         dtype = jnp.result_type(*(jnp.asarray(r["value"]) for r in self._records), float)
-        inv_t, log_pi, log_c = self.ladder.arrays(dtype)
+        inv_t = jnp.asarray(self.ladder.inverse_temperatures, dtype)
         log_probs = self._log_probs(inv_t)  # each (M, *batch)
         if self.plate is None:
             ell = sum(
                 (jnp.sum(lp.reshape(lp.shape[0], -1), axis=-1) for lp in log_probs),
                 jnp.zeros_like(inv_t),
             )
-            logits = log_pi + ell - log_c
-            total = logsumexp(logits)
+            posterior = temperature_posterior(ell, self.ladder)  # eq. 18 at this draw
+            total = posterior.log_marginal
         else:
             if self.plate not in self._plates:
                 raise ValueError(
@@ -265,10 +268,10 @@ class multicanonical(Messenger):
                 for r, lp in zip(self._records, log_probs, strict=True)
             )  # (M, B), with the scale N/B
             log_c_n = element_log_partition(self.ladder, size, indices, dtype)  # (B, M)
-            logits = log_pi + elements.T / scale - log_c_n
-            total = scale * jnp.sum(logsumexp(logits, axis=-1))
+            posterior = temperature_posterior(elements.T / scale, self.ladder, log_c=log_c_n)
+            total = scale * jnp.sum(posterior.log_marginal)
         numpyro.factor(self.name, total)
-        numpyro.deterministic(self.name + "_probs", jax.nn.softmax(logits, axis=-1))
+        numpyro.deterministic(self.name + "_probs", posterior.probs)
 
     def temperature_posterior(
         self,

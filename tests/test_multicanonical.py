@@ -26,6 +26,7 @@ from numpyro_tempering.objectives.multicanonical import (
     temperature_history,
 )
 from numpyro_tempering.partition_function import model_sizes
+from numpyro_tempering.temperatures import mean_inverse_temperature, temperature_posterior
 
 SIGMA = 0.5
 X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1])
@@ -320,6 +321,54 @@ def test_record_of_local_temperatures_is_the_minibatch_average():
     np.testing.assert_allclose(hist.probs[0], post.probs.mean(0), rtol=1e-5)
     with pytest.raises(ValueError, match="record_temperatures"):
         temperature_history({})
+
+
+def test_record_under_any_name_and_two_records():
+    """record_temperatures(name=...) is honoured (the objective finds records by type, not
+    by a fixed key); two records are both written; E[1/T] is one call; the repr is short."""
+    elbo = MulticanonicalELBO(LADDER)
+    wrapped = record_temperatures(record_temperatures(model, LADDER, 4, name="a"), LADDER, 2,
+                                  name="b")
+    svi = SVI(wrapped, guide, optax.adam(0.1), elbo)
+    state = svi.init(jax.random.PRNGKey(3), X)
+    key, params = jax.random.split(state.rng_key)[1], svi.get_params(state)
+    state, _ = jax.jit(svi.update)(state, X)
+    post = posterior_fn(elbo)(key, params)
+    for name in ("a", "b"):
+        hist = temperature_history(state, name=name)
+        assert hist.probs.shape == (1, 3)
+        np.testing.assert_allclose(hist.probs[0], post.probs, rtol=1e-5)
+        np.testing.assert_allclose(
+            mean_inverse_temperature(state, name=name), post.mean_inverse_temperature, rtol=1e-5
+        )
+    with pytest.raises(ValueError, match=r"expected one TemperatureRecord.*\['a', 'b'\]"):
+        temperature_history(state)
+    with pytest.raises(ValueError, match="no TemperatureRecord 'c'"):
+        temperature_history(state, name="c")
+    text = repr(state.mutable_state["a"])
+    assert text.startswith("TemperatureRecord(step=1, rows=4, temperatures=3, E[T] = ")
+    assert "\n" not in text and len(text) < 120
+
+
+def test_temperature_posterior_is_eq18():
+    """The one eq. 18 core: softmax(log pi + l_m - log C_m), its moments and log marginal,
+    against numpy; per-element log c broadcasts; a NaN likelihood gives NaN, not a rung."""
+    ell = np.array([[-4.0, -2.5, -1.0], [0.0, 0.3, -0.2]])
+    logits = np.log(WEIGHTS) + ell - normal_log_c(TEMPS)
+    probs = np.exp(logits - sp_logsumexp(logits, axis=-1, keepdims=True))
+    post = temperature_posterior(jnp.asarray(ell), LADDER)
+    np.testing.assert_allclose(post.probs, probs, rtol=1e-5)
+    np.testing.assert_allclose(post.mean_temperature, probs @ TEMPS, rtol=1e-5)
+    np.testing.assert_allclose(post.mean_inverse_temperature, probs @ (1 / TEMPS), rtol=1e-5)
+    np.testing.assert_allclose(post.log_marginal, sp_logsumexp(logits, axis=-1), rtol=1e-5)
+    own = np.array([[0.0, 1.0, 2.0], [0.0, -1.0, 0.5]])
+    mine = temperature_posterior(jnp.asarray(ell), LADDER, log_c=jnp.asarray(own))
+    logits = np.log(WEIGHTS) + ell - own
+    np.testing.assert_allclose(mine.log_marginal, sp_logsumexp(logits, axis=-1), rtol=1e-5)
+    bad = temperature_posterior(jnp.array([jnp.nan, 0.0, 0.0]), LADDER)
+    assert np.all(np.isnan(np.asarray(bad.probs)))
+    with pytest.raises(ValueError, match="must end in the ladder's 3 temperatures"):
+        temperature_posterior(jnp.zeros(2), LADDER)
 
 
 # ---------------------------------------------------------------------------------------

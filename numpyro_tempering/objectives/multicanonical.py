@@ -75,15 +75,12 @@ Stock :class:`~numpyro.infer.SVI` returns only the loss per step, so this module
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable, Collection, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from numpyro.infer.elbo import ELBO
-from numpyro.primitives import mutable
 
 from numpyro_tempering.engine import LogWeights, log_weights
 from numpyro_tempering.handlers import temper
@@ -96,50 +93,19 @@ from numpyro_tempering.partition_function import (
     stale_params_message,
 )
 
-__all__ = [
-    "RECORD",
-    "MulticanonicalELBO",
-    "TemperatureHistory",
-    "TemperaturePosterior",
-    "multicanonical_elbo",
-    "record_temperatures",
-    "temperature_history",
-]
+# the trajectory helpers live in numpyro_tempering.temperatures; importable from here too
+from numpyro_tempering.temperatures import TemperatureHistory as TemperatureHistory
+from numpyro_tempering.temperatures import (
+    TemperaturePosterior,
+    element_log_partition,
+    temperature_posterior,
+    update_records,
+    warn_if_flagged,
+)
+from numpyro_tempering.temperatures import record_temperatures as record_temperatures
+from numpyro_tempering.temperatures import temperature_history as temperature_history
 
-#: Name of the mutable site :func:`record_temperatures` adds to a model.
-RECORD = "_multicanonical_record"
-
-
-class TemperaturePosterior(NamedTuple):
-    """The closed-form :math:`q(y)` (eq. 18) and its moments.
-
-    Global temperature: ``probs`` has shape ``(M,)`` and the moments are scalars; local:
-    ``(B, M)`` and ``(B,)`` for the ``B`` plate elements of the (mini)batch.
-    """
-
-    probs: jax.Array
-    mean_temperature: jax.Array
-    mean_inverse_temperature: jax.Array
-
-
-def element_log_partition(
-    ladder: Ladder, plate_size: int, indices: jax.Array | None, dtype: Any
-) -> jax.Array:
-    r"""The minibatch's per-element :math:`\log c_n(T_m)`, shape ``(B, M)``.
-
-    ``indices``: the subsample indices of the plate (``LogWeights.plate_indices``), or
-    ``None`` for the full plate.
-    """
-    table = ladder.element_log_c
-    if table is None:
-        ladder.require_element_log_partition(ladder.plate or "<plate>")
-    if table.shape[1] != plate_size:
-        raise ValueError(
-            f"the ladder's element_log_c has {table.shape[1]} elements but plate "
-            f"'{ladder.plate}' has {plate_size}."
-        )
-    table = jnp.asarray(table, dtype).T  # (N, M)
-    return table if indices is None else table[jnp.asarray(indices)]
+__all__ = ["MulticanonicalELBO", "multicanonical_elbo"]
 
 
 def _tempered_likelihoods(
@@ -211,38 +177,24 @@ def multicanonical_elbo(
     else:
         scale = 1.0
         ell = jnp.mean(lik, axis=0)  # (M,)
-    logits = log_pi + jax.lax.stop_gradient(ell) - log_c
+    # eq. 18 at the current ell, held fixed for the gradient (envelope theorem)
+    optimum = temperature_posterior(jax.lax.stop_gradient(ell), ladder, log_c=log_c)
     if probs is None:
-        log_r = jax.nn.log_softmax(logits, axis=-1)
-        r = jnp.exp(log_r)
+        posterior = optimum
     else:
         r = jnp.asarray(probs, dtype)
-        log_r = jnp.log(r)
-    # E_q[1/T_y]; eq. 18's r depends on the parameters only through stop_gradient(ell), so
-    # the parameter gradient is sum_m r_m grad l_m (the tempered ELBO's at beta if linear)
-    beta = jnp.sum(r * inv_t, axis=-1)
-    mean_t = jnp.sum(r / inv_t, axis=-1)
+        posterior = TemperaturePosterior(
+            r, jnp.sum(r / inv_t, axis=-1), jnp.sum(r * inv_t, axis=-1), optimum.log_marginal
+        )
+    r = posterior.probs
     # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
+    log_r = jnp.log(jnp.where(r > 0, r, 1.0))
     const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
     expected = jnp.sum(r * lik, axis=-1)  # (S,) or (S, B)
     if per_element:
         expected = jnp.sum(expected, axis=-1)
     value = jnp.mean(weights.log_prior + expected - weights.log_q) + scale * jnp.sum(const)
-    return value, TemperaturePosterior(r, mean_t, beta)
-
-
-def warn_if_flagged(ladder: Ladder, who: str) -> None:
-    """Warn if the ladder's log C is flagged as untrusted at some temperatures."""
-    flagged = ladder.flagged
-    if flagged.any():
-        temps = [round(float(t), 4) for t in ladder.temperatures[flagged]]
-        warnings.warn(
-            f"{who}: the ladder's log C(T) is flagged as untrusted at T = {temps[:8]}"
-            f"{' ...' if len(temps) > 8 else ''} (see ladder.summary()): the multicanonical "
-            "weights exp(l/T - log C(T)) inherit its error, e^d for d nats.",
-            UserWarning,
-            stacklevel=3,
-        )
+    return value, posterior
 
 
 class MulticanonicalELBO(ELBO):
@@ -394,9 +346,7 @@ class MulticanonicalELBO(ELBO):
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
         value, posterior, state = self._evaluate(rng_key, param_map, model, guide, args, kwargs)
-        if state is not None and RECORD in state:
-            state = {**state, RECORD: _record(state[RECORD], posterior)}
-        return {"loss": -value, "mutable_state": state}
+        return {"loss": -value, "mutable_state": update_records(state, posterior)}
 
     def temperature_posterior(
         self, rng_key: jax.Array, params: dict, model: Callable, guide: Callable, *args, **kwargs
@@ -422,76 +372,3 @@ class MulticanonicalELBO(ELBO):
         return jax.vmap(
             lambda p: self.temperature_posterior(rng_key, p, model, guide, *args, **kwargs)
         )(params_history)
-
-
-# ---------------------------------------------------------------------------------------
-# Recording the trajectory in SVI's mutable state
-# ---------------------------------------------------------------------------------------
-
-
-class TemperatureHistory(NamedTuple):
-    """Per-step :math:`q(y)` (``(steps, M)``) and :math:`\\mathbb{E}_q[T]` (``(steps,)``)."""
-
-    probs: jax.Array
-    mean_temperature: jax.Array
-
-
-def record_temperatures(
-    model: Callable, ladder: Ladder, num_steps: int, *, name: str = RECORD
-) -> Callable:
-    """Wrap ``model`` so that SVI with :class:`MulticanonicalELBO` records q(y) per step.
-
-    The wrapper adds a ``numpyro.mutable`` site ``name`` holding ``{"step", "probs"
-    (num_steps, M), "mean_temperature" (num_steps,)}``; the objective writes row ``step``
-    at every update (rows beyond ``num_steps`` are dropped). Give the *wrapped* model to
-    SVI and the plain one to the guide. For a local temperature the row is the average of
-    q(y_n) and of E[T_n] over the minibatch. Read it with :func:`temperature_history`.
-    Other objectives leave the record untouched.
-    """
-    if int(num_steps) != num_steps or num_steps < 1:
-        raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
-    m = ladder.num_temperatures
-    dtype = jnp.result_type(float)
-
-    @functools.wraps(model, updated=())
-    def recorded(*args, **kwargs):
-        mutable(
-            name,
-            {
-                "step": jnp.zeros((), jnp.int32),
-                "probs": jnp.full((int(num_steps), m), jnp.nan, dtype),
-                "mean_temperature": jnp.full((int(num_steps),), jnp.nan, dtype),
-            },
-        )
-        return model(*args, **kwargs)
-
-    return recorded
-
-
-def _record(record: dict, posterior: TemperaturePosterior) -> dict:
-    probs, mean_t = posterior.probs, posterior.mean_temperature
-    if probs.ndim > 1:  # local temperature: minibatch average
-        probs, mean_t = probs.mean(0), mean_t.mean()
-    step = record["step"]
-    return {
-        "step": step + 1,
-        "probs": record["probs"].at[step].set(probs.astype(record["probs"].dtype), mode="drop"),
-        "mean_temperature": record["mean_temperature"]
-        .at[step]
-        .set(mean_t.astype(record["mean_temperature"].dtype), mode="drop"),
-    }
-
-
-def temperature_history(result: Any, *, name: str = RECORD) -> TemperatureHistory:
-    """The recorded trajectory from an ``SVIRunResult``, ``SVIState`` or mutable-state dict,
-    trimmed to the steps taken. The last row is the final :math:`q(y)`."""
-    state = getattr(result, "state", result)
-    state = getattr(state, "mutable_state", state)
-    if not isinstance(state, dict) or name not in state:
-        raise ValueError(
-            f"no '{name}' record in the SVI state: wrap the model given to SVI with "
-            "record_temperatures(model, ladder, num_steps)."
-        )
-    rec = state[name]
-    n = min(int(rec["step"]), rec["probs"].shape[0])
-    return TemperatureHistory(rec["probs"][:n], rec["mean_temperature"][:n])

@@ -27,7 +27,7 @@ Tempering (Mandt et al. 2016, Algorithm 1), ``tempering=``:
   :math:`q(y)`, as the paper). When visited: local step at :math:`\bar\beta_i` (eq. 17),
   global step with statistics weighted by :math:`\bar\beta_i` (eq. 16), then :math:`q(y_i)`
   by eq. 18 from :math:`\ell_i = \mathbb{E}[\log p(y_i, \psi_i\mid\beta)]` -- computed by
-  :func:`numpyro_tempering.objectives.multicanonical.multicanonical_elbo` -- in the order of
+  :func:`numpyro_tempering.temperatures.temperature_posterior` -- in the order of
   Algorithm 1 (local, global, temperature).
 
 Which log C for MVI
@@ -42,8 +42,8 @@ use the *locally normalised* multicanonical joint
 every temperature assignment, whose mean-field update of :math:`q(y_i)` is eq. 18 with
 :math:`\log C(T_m)/N` replaced by :math:`\mathbb{E}_q[\log c(T_m, \beta)]`
 (:func:`~numpyro_tempering.models.latent_features.conjugate.local_log_partition`, closed
-form). It is passed to ``multicanonical_elbo`` as a ladder whose :math:`\log C` is
-:math:`N\,\mathbb{E}_q\log c(T_m,\beta)`, rebuilt at every step from the current moments.
+form), passed to ``temperature_posterior`` as every point's :math:`\log c_i(T_m)` and
+rebuilt at every step from the current moments.
 With a well-fitting point, :math:`\ell_i/T - \log c(T)` is maximised at T = 1; a point with
 normalised squared residual :math:`r > 1` prefers :math:`T \approx r`.
 
@@ -62,8 +62,7 @@ import jax.numpy as jnp
 from jax import lax, random
 
 from numpyro_tempering import schedules
-from numpyro_tempering.engine import LogWeights
-from numpyro_tempering.ladder import UNCHECKED, Ladder
+from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.models.latent_features.conjugate import (
     GlobalParams,
     expected_moments,
@@ -85,7 +84,7 @@ from numpyro_tempering.models.latent_features.local import (
     titsias_local_stats,
 )
 from numpyro_tempering.models.latent_features.model import DEFAULT_PRIOR, Prior, check_prior
-from numpyro_tempering.objectives.multicanonical import multicanonical_elbo
+from numpyro_tempering.temperatures import temperature_posterior
 
 __all__ = [
     "SCHEMES",
@@ -213,7 +212,7 @@ def mvi_update(
     ladder: Ladder,
 ) -> jax.Array:
     r"""New :math:`\bar\beta_i = \mathbb{E}_{q(y_i)}[1/T]` per point by eq. 18 (Mandt et al.
-    2016), via :func:`~numpyro_tempering.objectives.multicanonical.multicanonical_elbo`:
+    2016), via :func:`~numpyro_tempering.temperatures.temperature_posterior`:
     :math:`q(y_i = m) \propto \pi_m \exp\{\ell_i/T_m - \mathbb{E}\log c(T_m,\beta)\}`.
 
     Example:
@@ -226,23 +225,9 @@ def mvi_update(
         (4,)
     """
     ell = expected_log_lik(y, stats, moments)  # (B,)
-    batch = y.shape[0]
     temps = jnp.asarray(ladder.temperatures, y.dtype)
     log_c = local_log_partition(temps, moments, y.shape[-1])  # (M,), the same for every point
-    # the minibatch is passed as a whole plate of B elements with their own log c_n
-    element_log_c = jnp.broadcast_to(log_c[:, None], (temps.shape[0], batch))
-    zero = jnp.zeros((1,), y.dtype)
-    weights = LogWeights(
-        log_prior=zero,
-        log_lik=jnp.sum(ell)[None],
-        log_q=zero,
-        log_lik_elements=ell[None],
-        plate_scale=jnp.ones((), y.dtype),
-    )
-    ladder = ladder.with_log_partition_values(
-        batch * log_c, element_log_c=element_log_c, plate="data", sizes=UNCHECKED
-    )
-    _, posterior = multicanonical_elbo(weights, ladder, batch)
+    posterior = temperature_posterior(ell[:, None] / temps, ladder, log_c=log_c)
     return posterior.mean_inverse_temperature
 
 

@@ -1,0 +1,353 @@
+r"""The latent ladder temperature: its posterior (Mandt et al. 2016, eq. 18) and its record.
+
+Multicanonical VI (Mandt et al. 2016, eq. 10-13) gives the temperature a latent assignment
+:math:`y` over a ladder :math:`T_1 < \dots < T_M` with prior :math:`\pi`. Given the tempered
+log-likelihood :math:`\ell_m` at each rung (:math:`\ell/T_m`, or
+:math:`\log\sum_k p(x, z = k)^{1/T_m}` for a jointly tempered mixture) and the log
+partition function :math:`\log C(T_m)`, the optimal :math:`q(y)` is eq. 18,
+
+.. math::
+
+    r_m \propto \exp\{\ell_m - \log C(T_m) + \log\pi_m\},
+
+the same formula whether :math:`\ell_m` is an expectation under a variational :math:`q`
+(the M-ELBO, :class:`~numpyro_tempering.objectives.MulticanonicalELBO`), the value at one
+draw (the exact conditional :math:`p(y \mid x, z, \beta)` of
+:class:`~numpyro_tempering.multicanonical_model.multicanonical`), or a closed-form local
+expectation (the conjugate routes of :mod:`numpyro_tempering.models`). This module is the
+one home of that formula: :func:`temperature_posterior`. Its log normaliser
+:math:`\log\sum_m \exp\{\ell_m - \log C(T_m) + \log\pi_m\}` is the log marginal over
+:math:`y` (the value of eq. 13's :math:`y`-terms at the optimum, by Gibbs' inequality).
+
+With a per-element temperature (one :math:`y_n` per element of a plate) every quantity gets
+a leading element axis and :math:`\log C` is replaced by the elements' own
+:math:`\log c_n(T_m)` (:func:`element_log_partition`).
+
+The learnt trajectory in SVI
+----------------------------
+Stock :class:`~numpyro.infer.SVI` carries only one piece of state between steps, the
+``numpyro.mutable`` sites. :func:`record_temperatures` adds a :class:`TemperatureRecord`
+there; every multicanonical objective writes a row per step into every record it finds
+(whatever its name), and :func:`temperature_history` reads it back.
+:func:`mean_inverse_temperature` is the one call for the current
+:math:`\mathbb{E}_q[1/T]`.
+
+Example:
+    >>> import jax.numpy as jnp
+    >>> from numpyro_tempering.ladder import Ladder
+    >>> ladder = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0])
+    >>> post = temperature_posterior(jnp.array([-3.0, -1.5]), ladder)  # l = -3 at T = 1, 2
+    >>> # logits log(1/2) + (-3 - 0, -3/2 - 1)
+    >>> [round(float(p), 4) for p in post.probs], round(float(post.log_marginal), 4)
+    ([0.3775, 0.6225], -2.7191)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.scipy.special import logsumexp
+from numpyro.primitives import mutable
+
+from numpyro_tempering.ladder import Ladder
+
+__all__ = [
+    "TemperatureHistory",
+    "TemperaturePosterior",
+    "TemperatureRecord",
+    "element_log_partition",
+    "mean_inverse_temperature",
+    "record_temperatures",
+    "temperature_history",
+    "temperature_posterior",
+    "warn_if_flagged",
+]
+
+
+class TemperaturePosterior(NamedTuple):
+    r""":math:`q(y)` of eq. 18 and its moments.
+
+    One temperature: ``probs`` has shape ``(M,)`` and the rest are scalars; per element:
+    ``(B, M)`` and ``(B,)``.
+
+    Attributes:
+        probs: :math:`r_m`.
+        mean_temperature: :math:`\mathbb{E}_r[T_y]`.
+        mean_inverse_temperature: :math:`\mathbb{E}_r[1/T_y]`, the effective inverse
+            temperature of the gradient (eq. 15-17).
+        log_marginal: :math:`\log\sum_m\exp\{\ell_m - \log C(T_m) + \log\pi_m\}`.
+    """
+
+    probs: jax.Array
+    mean_temperature: jax.Array
+    mean_inverse_temperature: jax.Array
+    log_marginal: jax.Array
+
+
+def temperature_posterior(
+    tempered_log_lik: jax.typing.ArrayLike,
+    ladder: Ladder,
+    *,
+    log_c: jax.typing.ArrayLike | None = None,
+) -> TemperaturePosterior:
+    r"""Eq. 18 of Mandt et al. 2016: :math:`r_m \propto \exp\{\ell_m - \log C(T_m) + \log\pi_m\}`.
+
+    Args:
+        tempered_log_lik: :math:`\ell_m`, the tempered log-likelihood at every rung, shape
+            ``(..., M)`` (e.g. ``ell[..., None] / ladder.temperatures``; for a jointly
+            tempered mixture the joint value per rung). Held as given: wrap it in
+            ``jax.lax.stop_gradient`` if the posterior must not carry gradients.
+        ladder: the :class:`~numpyro_tempering.ladder.Ladder` (temperatures, prior
+            :math:`\pi` and, unless ``log_c`` is given, its ``log_c``).
+        log_c: :math:`\log C(T_m)` to use instead of the ladder's, broadcastable to
+            ``tempered_log_lik`` (e.g. per-element ``(B, M)`` from
+            :func:`element_log_partition`).
+
+    Returns:
+        :class:`TemperaturePosterior`. Non-finite :math:`\ell` gives NaN probabilities
+        (never a silently chosen rung).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from numpyro_tempering.ladder import Ladder
+        >>> lad = Ladder([1.0, 4.0]).with_log_partition_values([0.0, 0.0])
+        >>> post = temperature_posterior(jnp.array([[-8.0, -2.0], [0.0, 0.0]]), lad)
+        >>> post.probs.shape, [round(float(t), 3) for t in post.mean_temperature]
+        ((2, 2), [3.993, 2.5])
+    """
+    ell = jnp.asarray(tempered_log_lik)
+    dtype = jnp.result_type(ell.dtype, float)
+    inv_t = jnp.asarray(ladder.inverse_temperatures, dtype)
+    log_pi = jnp.log(jnp.asarray(ladder.weights, dtype))  # -inf where a weight is 0
+    if ell.shape[-1:] != inv_t.shape:
+        raise ValueError(
+            f"`tempered_log_lik` must end in the ladder's {inv_t.shape[0]} temperatures, got "
+            f"shape {ell.shape}."
+        )
+    if log_c is None:
+        ladder.require_log_partition()
+        log_c = ladder.log_c
+    logits = log_pi + ell.astype(dtype) - jnp.asarray(log_c, dtype)
+    log_marginal = logsumexp(logits, axis=-1)
+    probs = jnp.exp(logits - log_marginal[..., None])
+    return TemperaturePosterior(
+        probs,
+        jnp.sum(probs / inv_t, axis=-1),
+        jnp.sum(probs * inv_t, axis=-1),
+        log_marginal,
+    )
+
+
+def element_log_partition(
+    ladder: Ladder, plate_size: int, indices: jax.Array | None, dtype: Any
+) -> jax.Array:
+    r"""The (mini)batch's per-element :math:`\log c_n(T_m)`, shape ``(B, M)``.
+
+    ``indices``: the plate's subsample indices (``LogWeights.plate_indices``), or ``None``
+    for the full plate of ``plate_size`` elements.
+    """
+    table = ladder.element_log_c
+    if table is None:
+        ladder.require_element_log_partition(ladder.plate or "<plate>")
+    if table.shape[1] != plate_size:
+        raise ValueError(
+            f"the ladder's element_log_c has {table.shape[1]} elements but plate "
+            f"'{ladder.plate}' has {plate_size}."
+        )
+    table = jnp.asarray(table, dtype).T  # (N, M)
+    return table if indices is None else table[jnp.asarray(indices)]
+
+
+def warn_if_flagged(ladder: Ladder, who: str) -> None:
+    """Warn if the ladder's log C is flagged as untrusted at some temperatures."""
+    flagged = ladder.flagged
+    if flagged.any():
+        temps = [round(float(t), 4) for t in ladder.temperatures[flagged]]
+        warnings.warn(
+            f"{who}: the ladder's log C(T) is flagged as untrusted at T = {temps[:8]}"
+            f"{' ...' if len(temps) > 8 else ''} (see ladder.summary()): the multicanonical "
+            "weights exp(l/T - log C(T)) inherit its error, e^d for d nats.",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The trajectory in SVI's mutable state
+# ---------------------------------------------------------------------------------------
+
+
+@jax.tree_util.register_pytree_node_class
+class TemperatureRecord:
+    r"""A fixed-size history of :math:`q(y)` per SVI step, kept in a ``numpyro.mutable`` site.
+
+    Rows ``0 .. step - 1`` are filled (rows beyond the size are dropped); a per-element
+    temperature records the minibatch averages. Printed, it is one line (the arrays are in
+    its attributes).
+
+    Attributes:
+        step: steps recorded so far.
+        probs: ``(num_steps, M)`` :math:`q(y)`.
+        mean_temperature: ``(num_steps,)`` :math:`\mathbb{E}_q[T]`.
+        mean_inverse_temperature: ``(num_steps,)`` :math:`\mathbb{E}_q[1/T]`.
+    """
+
+    def __init__(
+        self,
+        step: Any,
+        probs: Any,
+        mean_temperature: Any,
+        mean_inverse_temperature: Any,
+    ) -> None:
+        self.step = step
+        self.probs = probs
+        self.mean_temperature = mean_temperature
+        self.mean_inverse_temperature = mean_inverse_temperature
+
+    @classmethod
+    def empty(cls, num_steps: int, num_temperatures: int, dtype: Any) -> TemperatureRecord:
+        nan = functools.partial(jnp.full, fill_value=jnp.nan, dtype=dtype)
+        return cls(
+            jnp.zeros((), jnp.int32),
+            nan((num_steps, num_temperatures)),
+            nan((num_steps,)),
+            nan((num_steps,)),
+        )
+
+    def tree_flatten(self) -> tuple[tuple, None]:
+        return (self.step, self.probs, self.mean_temperature, self.mean_inverse_temperature), None
+
+    @classmethod
+    def tree_unflatten(cls, aux: None, children: tuple) -> TemperatureRecord:
+        return cls(*children)
+
+    def append(self, posterior: TemperaturePosterior) -> TemperatureRecord:
+        """The record with ``posterior`` written at row ``step`` (minibatch-averaged)."""
+        probs = posterior.probs
+        mean_t, mean_inv_t = posterior.mean_temperature, posterior.mean_inverse_temperature
+        if probs.ndim > 1:  # per-element temperature: minibatch average
+            probs, mean_t, mean_inv_t = probs.mean(0), mean_t.mean(), mean_inv_t.mean()
+
+        def put(rows: jax.Array, value: jax.Array) -> jax.Array:
+            return rows.at[self.step].set(value.astype(rows.dtype), mode="drop")
+
+        return TemperatureRecord(
+            self.step + 1,
+            put(self.probs, probs),
+            put(self.mean_temperature, mean_t),
+            put(self.mean_inverse_temperature, mean_inv_t),
+        )
+
+    def __repr__(self) -> str:
+        try:
+            step, size = int(self.step), int(self.probs.shape[0])
+            last = min(step, size) - 1
+            now = (
+                f", E[T] = {float(self.mean_temperature[last]):.4g}"
+                f", E[1/T] = {float(self.mean_inverse_temperature[last]):.4g}"
+                if last >= 0
+                else ""
+            )
+            return (
+                f"TemperatureRecord(step={step}, rows={size}, "
+                f"temperatures={int(self.probs.shape[-1])}{now})"
+            )
+        except (TypeError, jax.errors.ConcretizationTypeError):  # traced
+            return f"TemperatureRecord(<traced>, probs={getattr(self.probs, 'shape', None)})"
+
+
+def record_temperatures(
+    model: Callable, ladder: Ladder, num_steps: int, *, name: str = "_temperature_record"
+) -> Callable:
+    """Wrap ``model`` so that SVI with a multicanonical objective records q(y) per step.
+
+    The wrapper adds a ``numpyro.mutable`` site ``name`` holding a :class:`TemperatureRecord`
+    of ``num_steps`` rows; :class:`~numpyro_tempering.objectives.MulticanonicalELBO` writes
+    row ``step`` at every update, in every record it finds (so ``name`` is free). Give the
+    *wrapped* model to SVI and the plain one to the guide. Read the record with
+    :func:`temperature_history` or :func:`mean_inverse_temperature`. Other objectives leave
+    it untouched.
+    """
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
+        raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"`name` must be a non-empty string, got {name!r}.")
+    m = ladder.num_temperatures
+    dtype = jnp.result_type(float)
+
+    @functools.wraps(model, updated=())
+    def recorded(*args, **kwargs):
+        mutable(name, TemperatureRecord.empty(int(num_steps), m, dtype))
+        return model(*args, **kwargs)
+
+    return recorded
+
+
+def update_records(state: dict | None, posterior: TemperaturePosterior) -> dict | None:
+    """Append ``posterior`` to every :class:`TemperatureRecord` in a mutable-state dict."""
+    if not state:
+        return state
+    return {
+        k: v.append(posterior) if isinstance(v, TemperatureRecord) else v
+        for k, v in state.items()
+    }
+
+
+class TemperatureHistory(NamedTuple):
+    r"""Per step: :math:`q(y)` ``(steps, M)``, :math:`\mathbb{E}_q[T]` and
+    :math:`\mathbb{E}_q[1/T]` ``(steps,)``."""
+
+    probs: jax.Array
+    mean_temperature: jax.Array
+    mean_inverse_temperature: jax.Array
+
+
+def _find_record(result: Any, name: str | None) -> TemperatureRecord:
+    state = getattr(result, "state", result)
+    state = getattr(state, "mutable_state", state)
+    records = (
+        {k: v for k, v in state.items() if isinstance(v, TemperatureRecord)}
+        if isinstance(state, dict)
+        else {}
+    )
+    if name is not None:
+        if name not in records:
+            raise ValueError(
+                f"no TemperatureRecord '{name}' in the SVI state (records: {sorted(records)}): "
+                "wrap the model given to SVI with record_temperatures(model, ladder, num_steps)."
+            )
+        return records[name]
+    if len(records) != 1:
+        raise ValueError(
+            f"expected one TemperatureRecord in the SVI state, found {sorted(records)}: wrap "
+            "the model given to SVI with record_temperatures(model, ladder, num_steps), and "
+            "pass `name=` if there are several."
+        )
+    return next(iter(records.values()))
+
+
+def temperature_history(result: Any, *, name: str | None = None) -> TemperatureHistory:
+    """The recorded trajectory from an ``SVIRunResult``, ``SVIState`` or mutable-state dict,
+    trimmed to the steps taken; the last row is the final :math:`q(y)`. ``name``: which
+    record, if the state holds several."""
+    rec = _find_record(result, name)
+    n = min(int(rec.step), rec.probs.shape[0])
+    return TemperatureHistory(
+        rec.probs[:n], rec.mean_temperature[:n], rec.mean_inverse_temperature[:n]
+    )
+
+
+def mean_inverse_temperature(result: Any, *, name: str | None = None) -> float:
+    r"""The current :math:`\mathbb{E}_q[1/T]` (the last recorded step) of an SVI run.
+
+    NaN if no step was recorded yet.
+    """
+    hist = temperature_history(result, name=name)
+    values = np.asarray(hist.mean_inverse_temperature)
+    return float(values[-1]) if values.size else float("nan")
