@@ -717,7 +717,7 @@ def _stream(
 
 
 def _q_value(model, guide, params, args, kwargs):
-    from numpyro_tempering.objectives.cubo import checked
+    from numpyro_tempering.objectives.base import checked
 
     cm, cg = checked(model, guide, "evidence_bounds", require_rsample=False)
 
@@ -729,7 +729,7 @@ def _q_value(model, guide, params, args, kwargs):
 
 def _prior_value(model, guide, params, args, kwargs, plan, order):
     """Log of the eq. 2 integrand n log p(x | z) + (n - 1)(log p(z) - log q(z)), z ~ p(z)."""
-    from numpyro_tempering.objectives.cubo import checked
+    from numpyro_tempering.objectives.base import checked
 
     def value(key):
         k_prior, k_weight = random.split(key)
@@ -775,7 +775,7 @@ def _build_stream(kind, model, guide, structure, plan, config, dtype):
 
 
 def _build_pool(model, guide, structure, plan):
-    from numpyro_tempering.objectives.cubo import checked
+    from numpyro_tempering.objectives.base import checked
 
     def run(rng_key, dynamic, pool):
         params, args, kwargs = _merge(dynamic, structure)

@@ -88,7 +88,15 @@ except ImportError:  # pragma: no cover - older NumPyro
     _unconstrain_params = None
 from numpyro.infer.util import _unconstrain_reparam
 
-__all__ = ["temper", "Tempered", "JointlyTempered", "TEMPERED", "DEFAULT_CLOCK"]
+__all__ = [
+    "temper",
+    "Tempered",
+    "JointlyTempered",
+    "TEMPERED",
+    "DEFAULT_CLOCK",
+    "stop_param_gradients",
+    "stop_sample_gradients",
+]
 
 #: Key set to ``True`` in ``msg["infer"]`` for every site a ``temper`` handler tempers.
 TEMPERED = "tempered"
@@ -469,3 +477,101 @@ class temper(Messenger):
         # recorded trace shows.
         if msg["type"] == "sample" and self._depth == 0 and msg["name"] in self._tempered:
             msg["infer"][TEMPERED] = True
+
+
+# ---------------------------------------------------------------------------------------
+# Holding samples or parameters fixed (the upper-bound objectives run under these)
+# ---------------------------------------------------------------------------------------
+
+
+class _FixedSample(Distribution):
+    """``base`` whose samples carry no gradient; log_prob is base's at the (fixed) value."""
+
+    def __init__(self, base: Distribution) -> None:
+        self.base_dist = base
+        super().__init__(batch_shape=base.batch_shape, event_shape=base.event_shape)
+
+    @property
+    def support(self):
+        return self.base_dist.support
+
+    @property
+    def has_rsample(self) -> bool:
+        return False
+
+    @property
+    def is_discrete(self) -> bool:
+        return self.base_dist.is_discrete
+
+    def sample_with_intermediates(self, key, sample_shape=()):
+        value, _ = self.base_dist.sample_with_intermediates(key, sample_shape)
+        # No intermediates: log_prob must be recomputed from the fixed value (e.g. by
+        # inverting a TransformedDistribution's transforms), not from differentiable
+        # pre-transform samples.
+        return jax.lax.stop_gradient(value), []
+
+    def sample(self, key, sample_shape=()):
+        return self.sample_with_intermediates(key, sample_shape)[0]
+
+    def log_prob(self, value, intermediates=None):
+        return self.base_dist.log_prob(value)
+
+
+class stop_sample_gradients(Messenger):
+    """Hold the latent samples of ``fn`` fixed: no gradient flows through the sampled values.
+
+    Every unobserved sample site draws its value as usual (same RNG, same value) but wrapped
+    in ``jax.lax.stop_gradient``, and its recorded log density is the distribution's
+    ``log_prob`` at that fixed value, differentiable in the distribution's parameters only.
+    (For a ``TransformedDistribution`` the value is mapped back through the inverse
+    transforms, so a guide with transforms lacking an inverse, such as IAF flows, raises.)
+    Because the model replays these values, ``log p(x, z_s)`` is also at fixed ``z_s``.
+
+    Example:
+        >>> import jax, numpyro, numpyro.distributions as dist
+        >>> from numpyro.handlers import seed, substitute, trace
+        >>> def guide():
+        ...     numpyro.sample("z", dist.Normal(numpyro.param("loc", 0.0), 1.0))
+        >>> def value(loc):
+        ...     g = substitute(seed(stop_sample_gradients(guide), 0), {"loc": loc})
+        ...     return trace(g).get_trace()["z"]["value"]
+        >>> float(jax.grad(value)(0.0))
+        0.0
+    """
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] == "sample" and not msg.get("is_observed"):
+            msg["fn"] = _FixedSample(msg["fn"])
+
+
+class stop_param_gradients(Messenger):
+    """Hold the ``param`` sites of ``fn`` fixed: their values carry no gradient.
+
+    Each ``numpyro.param`` site of ``fn`` returns its usual value (from SVI's substitution,
+    or its initial value) wrapped in ``jax.lax.stop_gradient`` (leaf by leaf for a pytree
+    value), so a loss computed from ``fn`` has exactly zero gradient with respect to those
+    parameters. Only the wrapped function is affected: the same parameter used by another
+    function (a guide) keeps its gradient there.
+
+    NumPyro's :func:`~numpyro.primitives.apply_stack` runs ``process_message`` from the
+    innermost handler outwards and ``postprocess_message`` from the outermost inwards, so
+    the value an outer ``substitute`` sets (SVI passes parameters this way) is final by the
+    time this handler's ``postprocess_message`` runs; the ``param`` primitive then returns
+    ``msg["value"]``.
+
+    Example:
+        >>> import jax, numpyro, numpyro.distributions as dist
+        >>> from numpyro.handlers import substitute
+        >>> def model():
+        ...     return 3.0 * numpyro.param("sigma", 1.0)
+        >>> def value(fn, sigma):
+        ...     return substitute(fn, {"sigma": sigma})()
+        >>> float(jax.grad(lambda s: value(model, s))(1.0))
+        3.0
+        >>> float(jax.grad(lambda s: value(stop_param_gradients(model), s))(1.0))
+        0.0
+    """
+
+    def postprocess_message(self, msg: dict) -> None:
+        if msg["type"] == "param":
+            msg["value"] = jax.tree.map(jax.lax.stop_gradient, msg["value"])

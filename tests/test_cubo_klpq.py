@@ -22,8 +22,9 @@ from numpyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
 
 from numpyro_tempering import bounds
 from numpyro_tempering.engine import log_weights, particle_keys
+from numpyro_tempering.handlers import stop_sample_gradients
 from numpyro_tempering.objectives.cubo import CUBO
-from numpyro_tempering.objectives.klpq import KLpq, stop_sample_gradients
+from numpyro_tempering.objectives.klpq import KLpq
 
 M0, S0, SIGMA = 0.5, 2.0, 1.0
 X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1, 1.5, 0.2])

@@ -28,12 +28,9 @@ from numpyro.infer import SVI
 
 from numpyro_tempering import bounds, temper
 from numpyro_tempering.engine import log_weights
+from numpyro_tempering.handlers import stop_param_gradients, stop_sample_gradients
 from numpyro_tempering.objectives.cubo import CUBO
-from numpyro_tempering.objectives.klpq import (
-    KLpq,
-    stop_param_gradients,
-    stop_sample_gradients,
-)
+from numpyro_tempering.objectives.klpq import KLpq
 
 M0, S0, SIGMA = 0.5, 2.0, 1.0
 X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1, 1.5, 0.2])

@@ -12,193 +12,29 @@ with equality iff q is the posterior. :class:`CUBO` is an :class:`numpyro.infer.
 that :class:`numpyro.infer.SVI` *minimises*. NumPyro's ``RenyiELBO(alpha=1 - n)`` computes the
 same statistic but SVI *maximises* it there (its loss is the negated bound), i.e. it pushes
 the upper bound up; :class:`CUBO` has the right sign.
-
-This module also holds the model/guide checks shared with :class:`~numpyro_tempering.KLpq`.
 """
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from numpyro.infer.elbo import ELBO
-from numpyro.primitives import Messenger
 
 from numpyro_tempering import bounds
-from numpyro_tempering.engine import log_weights
+from numpyro_tempering.handlers import stop_param_gradients
+from numpyro_tempering.objectives.base import (
+    UpperBoundELBO,
+    checked,
+    concrete_real,
+    weighted_surrogate,
+)
 
 __all__ = ["CUBO"]
 
 
-# -- model / guide checks shared by the upper-bound objectives --------------------------------
-
-
-def _enumerated(msg: dict) -> bool:
-    return bool((msg.get("infer") or {}).get("enumerate"))
-
-
-def _enumeration_error(owner: str, side: str, name: str, fix: str) -> ValueError:
-    return ValueError(
-        f"{owner}: {side} site '{name}' is marked for enumeration "
-        "(infer={'enumerate': ...}, e.g. by config_enumerate), but "
-        f"{owner} does not enumerate: its estimate is a function of the importance weights "
-        "p(x, z) / q(z) at latents z sampled from the guide (CUBO: log E_q[(p/q)^n]), so an "
-        f"enumerated site would be sampled and weighted wrongly. {fix} Use TraceEnum_ELBO "
-        "to sum enumerated sites out."
-    )
-
-
-class _GuideCheck(Messenger):
-    """Record the guide's latent sites; refuse enumeration; optionally require rsample."""
-
-    def __init__(self, fn: Callable, owner: str, require_rsample: bool, names: set) -> None:
-        self.owner = owner
-        self.require_rsample = require_rsample
-        self.names = names
-        super().__init__(fn)
-
-    def __enter__(self):
-        self.names.clear()
-        return super().__enter__()
-
-    def process_message(self, msg: dict) -> None:
-        if msg["type"] != "sample" or msg.get("is_observed"):
-            return
-        self.names.add(msg["name"])
-        if _enumerated(msg):
-            raise _enumeration_error(
-                self.owner, "guide", msg["name"], "Remove the mark: guide sites are sampled."
-            )
-        if self.require_rsample and not getattr(msg["fn"], "has_rsample", False):
-            raise ValueError(
-                f"{self.owner}: guide site '{msg['name']}' ({type(msg['fn']).__name__}) is not "
-                "reparameterisable; this objective differentiates through the guide's samples. "
-                "Use a reparameterisable (e.g. continuous relaxed) guide for this site, or "
-                "KLpq, which only needs log q at fixed samples."
-            )
-
-    def postprocess_message(self, msg: dict) -> None:
-        _check_plate(msg, self.owner)
-
-
-class _ModelCheck(Messenger):
-    """Every model latent must come from the guide (none enumerated); no subsampled plates."""
-
-    def __init__(self, fn: Callable, owner: str, guide_names: set) -> None:
-        self.owner = owner
-        self.guide_names = guide_names
-        super().__init__(fn)
-
-    def postprocess_message(self, msg: dict) -> None:
-        _check_plate(msg, self.owner)
-        if msg["type"] != "sample" or msg.get("is_observed") or msg["name"] in self.guide_names:
-            return
-        name = msg["name"]
-        if _enumerated(msg):
-            raise _enumeration_error(
-                self.owner,
-                "model latent",
-                name,
-                f"Sample '{name}' in the guide, or do not mark it for enumeration.",
-            )
-        raise ValueError(
-            f"{self.owner}: model latent site '{name}' is not sampled by the guide "
-            f"(guide latent sites: {sorted(self.guide_names)}). The importance weights "
-            "p(x, z) / q(z) need q over every latent site; add it to the guide."
-        )
-
-
-def _check_plate(msg: dict, owner: str) -> None:
-    if msg["type"] != "plate" or msg.get("value") is None:
-        return
-    size, subsample = msg["args"][0], jnp.shape(msg["value"])[0]
-    if subsample < size:
-        raise ValueError(
-            f"{owner}: plate '{msg['name']}' is subsampled ({subsample} of {size}). This bound "
-            "is a log-expectation over the whole joint and does not decompose over data "
-            "points, so a rescaled minibatch does not give an unbiased estimate of it; use the "
-            "full plate (subsample_size=None)."
-        )
-
-
-def checked(
-    model: Callable, guide: Callable, owner: str, *, require_rsample: bool
-) -> tuple[Callable, Callable]:
-    """Wrap ``model`` and ``guide`` with the checks of the upper-bound objectives.
-
-    The guide must sample every latent site of the model (else the weights are wrong: NumPyro
-    only warns), no site may be marked for enumeration unless the guide samples it (these
-    objectives never enumerate), no plate may be subsampled, and with ``require_rsample``
-    every guide sample site must be reparameterisable. Errors name the offending site;
-    checks run at trace time.
-    """
-    names: set[str] = set()
-    return _ModelCheck(model, owner, names), _GuideCheck(guide, owner, require_rsample, names)
-
-
-def check_num_particles(num_particles: int, owner: str) -> int:
-    """``num_particles`` as an ``int`` >= 2 (Python or NumPy integer; bools and floats refused)."""
-    try:
-        if isinstance(num_particles, (bool, np.bool_)):
-            raise TypeError
-        value = operator.index(num_particles)
-    except TypeError:
-        value = None
-    if value is None or value < 2:
-        raise ValueError(
-            f"{owner}: `num_particles` must be an integer >= 2 (the estimate is a "
-            f"log-mean over particles), got {num_particles!r}."
-        )
-    return value
-
-
-def concrete_real(value: object, owner: str, name: str) -> float | None:
-    """A concrete finite real scalar as a ``float`` (``None`` if it is not one).
-
-    Accepts Python ints/floats and 0-d NumPy/JAX real arrays (e.g. ``jnp.array(2.0)``);
-    refuses bools, complex numbers, strings, arrays with more than one element and traced
-    values (a constructor argument cannot be traced: pass a Python number).
-    """
-    if isinstance(value, (bool, np.bool_)):
-        return None
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(
-            f"{owner}: `{name}` must be a concrete number, got a traced value {value!r}; "
-            "objective settings are fixed at construction (pass a Python float)."
-        )
-    try:
-        arr = np.asarray(value)
-    except (TypeError, ValueError):
-        return None
-    if arr.ndim != 0 or not (
-        np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.floating)
-    ):
-        return None
-    out = float(arr)
-    return out if math.isfinite(out) else None
-
-
-def weighted_surrogate(log_w: jax.Array, terms: jax.Array) -> jax.Array:
-    r""":math:`-\sum_s \bar w_s\, t_s` with :math:`\bar w` = softmax(``log_w``) held constant.
-
-    Its gradient is :math:`-\sum_s \bar w_s \nabla t_s`. A zero weight (``log_w = -inf``)
-    contributes nothing even if its term is ``-inf``; a ``nan`` weight (or all weights zero)
-    makes the value and the gradient ``nan``, never a silent zero.
-    """
-    w_bar = bounds.self_normalised_weights(jax.lax.stop_gradient(log_w))
-    zero = w_bar == 0  # False for nan
-    return -jnp.sum(jnp.where(zero, 0.0, w_bar * jnp.where(zero, 0.0, terms)), axis=-1)
-
-
-# -- the objective --------------------------------------------------------------------------
-
-
-class CUBO(ELBO):
+class CUBO(UpperBoundELBO):
     r"""Minimise the chi upper bound :math:`\mathrm{CUBO}_n` (chi-square-upper-bounds, eq. 1).
 
     With :math:`\log w_s = \log p(x, z_s) - \log q(z_s)` for S reparameterised particles
@@ -245,7 +81,7 @@ class CUBO(ELBO):
     an upper bound is a bound on the evidence of a *fixed* model, and minimising it over
     the model would minimise the evidence itself (a likelihood scale collapses to zero and
     the "bound" to minus infinity). The model runs under
-    :class:`~numpyro_tempering.objectives.klpq.stop_param_gradients`, so the gradient with
+    :class:`~numpyro_tempering.handlers.stop_param_gradients`, so the gradient with
     respect to a model-only parameter is exactly zero (SVI's optimiser still holds it; an
     optimiser that moves parameters without a gradient, such as weight decay, would still
     change it). A parameter used by both model and guide keeps its
@@ -296,6 +132,8 @@ class CUBO(ELBO):
     """
 
     can_infer_discrete = False
+    owner = "CUBO"
+    require_rsample = True
 
     def __init__(
         self,
@@ -304,12 +142,12 @@ class CUBO(ELBO):
         gradient: Literal["direct", "exponentiated"] = "direct",
         shift: float | None = None,
         *,
+        vectorize_particles: bool | Callable = True,
         learn_model_params: bool = False,
     ) -> None:
         order = concrete_real(n, "CUBO", "n")
         if order is None or not order > 1:
             raise ValueError(f"CUBO: `n` must be a finite real number > 1, got {n!r}.")
-        num_particles = check_num_particles(num_particles, "CUBO")
         if gradient not in ("direct", "exponentiated"):
             raise ValueError(
                 f"CUBO: `gradient` must be 'direct' or 'exponentiated', got {gradient!r}."
@@ -324,28 +162,20 @@ class CUBO(ELBO):
                     f"0-d array), got {shift!r}."
                 )
             shift = value
-        if not isinstance(learn_model_params, bool):
-            raise ValueError(
-                f"CUBO: `learn_model_params` must be True or False, got {learn_model_params!r}."
-            )
         self.n = order
         self.gradient = gradient
         self.shift = shift
-        self.learn_model_params = learn_model_params
-        super().__init__(num_particles=num_particles)
-
-    def _log_weights(self, rng_key, param_map, model, guide, args, kwargs, fixed_samples=False):
-        # klpq imports this module; the handlers live there for now.
-        from numpyro_tempering.objectives.klpq import stop_param_gradients, stop_sample_gradients
-
-        model, guide = checked(model, guide, "CUBO", require_rsample=not fixed_samples)
-        if fixed_samples:  # the model side of learn_model_params: z fixed, params live
-            guide = stop_sample_gradients(guide)
-        else:
-            model = stop_param_gradients(model)
-        return log_weights(
-            rng_key, param_map, model, guide, args, kwargs, num_particles=self.num_particles
+        super().__init__(
+            num_particles,
+            vectorize_particles,
+            learn_model_params=learn_model_params,
         )
+
+    def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
+        # the guide's pass always holds the model's parameters fixed; with
+        # learn_model_params they get their (IWAE) gradient from a second, fixed-sample pass
+        model, guide = checked(model, guide, self.owner, require_rsample=True)
+        return stop_param_gradients(model), guide
 
     def surrogate(self, log_w: jax.Array) -> jax.Array:
         """The differentiated quantity: the CUBO estimate, or the exponentiated surrogate."""
@@ -355,7 +185,7 @@ class CUBO(ELBO):
         return jnp.mean(jnp.exp(self.n * (log_w - shift))) / self.n
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
-        weights = self._log_weights(rng_key, param_map, model, guide, args, kwargs)
+        weights = self.log_weights(rng_key, param_map, model, guide, args, kwargs)
         value = bounds.cubo(weights.log_w, self.n)
         if self.gradient == "direct":
             loss = value
@@ -365,20 +195,7 @@ class CUBO(ELBO):
         if self.learn_model_params:
             # Same key, so the same particles: log p(x, z_s) with z_s fixed and the model's
             # parameters live; its weighted surrogate is minus the IWAE gradient.
-            fixed = self._log_weights(
-                rng_key, param_map, model, guide, args, kwargs, fixed_samples=True
-            )
+            fixed = self.fixed_sample_weights(rng_key, param_map, model, guide, args, kwargs)
             model_side = weighted_surrogate(weights.log_w, fixed.log_joint)
             loss = loss + model_side - jax.lax.stop_gradient(model_side)
         return {"loss": loss, "mutable_state": weights.mutable_state}
-
-    def diagnose(
-        self, rng_key: jax.Array, param_map: dict, model: Callable, guide: Callable, *args, **kwargs
-    ) -> bounds.BoundSummary:
-        """Estimates, effective sample size and non-finite count on the loss's particles.
-
-        Uses the same key and particles as :meth:`loss`, so ``diagnose(...).cubo`` equals the
-        loss value. ``param_map`` is e.g. ``svi.get_params(state)``.
-        """
-        weights = self._log_weights(rng_key, param_map, model, guide, args, kwargs)
-        return bounds.summarise(weights.log_w, self.n)

@@ -11,9 +11,9 @@ so minimising the bound over q minimises the inclusive KL(p || q). The posterior
 is estimated by self-normalised importance sampling from q (the "wake phase" of reweighted
 wake-sleep; Edward's ``KLpq``), which needs no reparameterisation: q may have discrete sites.
 
-This module also holds the two handlers the upper-bound objectives run the model and guide
-under: :class:`stop_sample_gradients` (fixed samples) and :class:`stop_param_gradients`
-(fixed model parameters).
+The guide runs under :class:`~numpyro_tempering.handlers.stop_sample_gradients` (fixed
+samples) and, by default, the model under
+:class:`~numpyro_tempering.handlers.stop_param_gradients` (fixed model parameters).
 """
 
 from __future__ import annotations
@@ -21,115 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-from numpyro.distributions import Distribution
-from numpyro.infer.elbo import ELBO
-from numpyro.primitives import Messenger
 
 from numpyro_tempering import bounds
-from numpyro_tempering.engine import log_weights
-from numpyro_tempering.objectives.cubo import (
-    check_num_particles,
-    checked,
-    weighted_surrogate,
-)
+from numpyro_tempering.handlers import stop_param_gradients as stop_param_gradients
+from numpyro_tempering.handlers import stop_sample_gradients
+from numpyro_tempering.objectives.base import UpperBoundELBO, weighted_surrogate
 
-__all__ = ["KLpq", "stop_param_gradients", "stop_sample_gradients"]
+__all__ = ["KLpq"]
 
 
-class _FixedSample(Distribution):
-    """``base`` whose samples carry no gradient; log_prob is base's at the (fixed) value."""
-
-    def __init__(self, base: Distribution) -> None:
-        self.base_dist = base
-        super().__init__(batch_shape=base.batch_shape, event_shape=base.event_shape)
-
-    @property
-    def support(self):
-        return self.base_dist.support
-
-    @property
-    def has_rsample(self) -> bool:
-        return False
-
-    @property
-    def is_discrete(self) -> bool:
-        return self.base_dist.is_discrete
-
-    def sample_with_intermediates(self, key, sample_shape=()):
-        value, _ = self.base_dist.sample_with_intermediates(key, sample_shape)
-        # No intermediates: log_prob must be recomputed from the fixed value (e.g. by
-        # inverting a TransformedDistribution's transforms), not from differentiable
-        # pre-transform samples.
-        return jax.lax.stop_gradient(value), []
-
-    def sample(self, key, sample_shape=()):
-        return self.sample_with_intermediates(key, sample_shape)[0]
-
-    def log_prob(self, value, intermediates=None):
-        return self.base_dist.log_prob(value)
-
-
-class stop_sample_gradients(Messenger):
-    """Hold the latent samples of ``fn`` fixed: no gradient flows through the sampled values.
-
-    Every unobserved sample site draws its value as usual (same RNG, same value) but wrapped
-    in ``jax.lax.stop_gradient``, and its recorded log density is the distribution's
-    ``log_prob`` at that fixed value, differentiable in the distribution's parameters only.
-    (For a ``TransformedDistribution`` the value is mapped back through the inverse
-    transforms, so a guide with transforms lacking an inverse, such as IAF flows, raises.)
-    Because the model replays these values, ``log p(x, z_s)`` is also at fixed ``z_s``.
-
-    Example:
-        >>> import jax, numpyro, numpyro.distributions as dist
-        >>> from numpyro.handlers import seed, substitute, trace
-        >>> def guide():
-        ...     numpyro.sample("z", dist.Normal(numpyro.param("loc", 0.0), 1.0))
-        >>> def value(loc):
-        ...     g = substitute(seed(stop_sample_gradients(guide), 0), {"loc": loc})
-        ...     return trace(g).get_trace()["z"]["value"]
-        >>> float(jax.grad(value)(0.0))
-        0.0
-    """
-
-    def process_message(self, msg: dict) -> None:
-        if msg["type"] == "sample" and not msg.get("is_observed"):
-            msg["fn"] = _FixedSample(msg["fn"])
-
-
-class stop_param_gradients(Messenger):
-    """Hold the ``param`` sites of ``fn`` fixed: their values carry no gradient.
-
-    Each ``numpyro.param`` site of ``fn`` returns its usual value (from SVI's substitution,
-    or its initial value) wrapped in ``jax.lax.stop_gradient`` (leaf by leaf for a pytree
-    value), so a loss computed from ``fn`` has exactly zero gradient with respect to those
-    parameters. Only the wrapped function is affected: the same parameter used by another
-    function (a guide) keeps its gradient there.
-
-    NumPyro's :func:`~numpyro.primitives.apply_stack` runs ``process_message`` from the
-    innermost handler outwards and ``postprocess_message`` from the outermost inwards, so
-    the value an outer ``substitute`` sets (SVI passes parameters this way) is final by the
-    time this handler's ``postprocess_message`` runs; the ``param`` primitive then returns
-    ``msg["value"]``.
-
-    Example:
-        >>> import jax, numpyro, numpyro.distributions as dist
-        >>> from numpyro.handlers import substitute
-        >>> def model():
-        ...     return 3.0 * numpyro.param("sigma", 1.0)
-        >>> def value(fn, sigma):
-        ...     return substitute(fn, {"sigma": sigma})()
-        >>> float(jax.grad(lambda s: value(model, s))(1.0))
-        3.0
-        >>> float(jax.grad(lambda s: value(stop_param_gradients(model), s))(1.0))
-        0.0
-    """
-
-    def postprocess_message(self, msg: dict) -> None:
-        if msg["type"] == "param":
-            msg["value"] = jax.tree.map(jax.lax.stop_gradient, msg["value"])
-
-
-class KLpq(ELBO):
+class KLpq(UpperBoundELBO):
     r"""Minimise KL(p || q) via the KLpq upper bound (chi-square-upper-bounds, eq. 3).
 
     For S particles :math:`z_s \sim q` with log weights
@@ -215,42 +116,26 @@ class KLpq(ELBO):
     #: Discrete latent sites are fine as long as the guide samples them (no enumeration).
     can_infer_discrete = True
 
-    def __init__(self, num_particles: int = 2, *, learn_model_params: bool = False) -> None:
-        num_particles = check_num_particles(num_particles, "KLpq")
-        if not isinstance(learn_model_params, bool):
-            raise ValueError(
-                f"KLpq: `learn_model_params` must be True or False, got {learn_model_params!r}."
-            )
-        self.learn_model_params = learn_model_params
-        super().__init__(num_particles=num_particles)
+    owner = "KLpq"
 
-    def _log_weights(self, rng_key, param_map, model, guide, args, kwargs):
-        model, guide = checked(model, guide, "KLpq", require_rsample=False)
-        if not self.learn_model_params:
-            model = stop_param_gradients(model)
-        return log_weights(
-            rng_key,
-            param_map,
-            model,
-            stop_sample_gradients(guide),
-            args,
-            kwargs,
-            num_particles=self.num_particles,
+    def __init__(
+        self,
+        num_particles: int = 2,
+        vectorize_particles: bool | Callable = True,
+        *,
+        learn_model_params: bool = False,
+    ) -> None:
+        super().__init__(
+            num_particles, vectorize_particles, learn_model_params=learn_model_params
         )
 
+    def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
+        model, guide = super().prepare(model, guide)
+        return model, stop_sample_gradients(guide)
+
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
-        weights = self._log_weights(rng_key, param_map, model, guide, args, kwargs)
+        weights = self.log_weights(rng_key, param_map, model, guide, args, kwargs)
         log_w = jax.lax.stop_gradient(weights.log_w)
         surrogate = weighted_surrogate(log_w, weights.log_joint + weights.log_q)
         loss = bounds.klpq(log_w) + surrogate - jax.lax.stop_gradient(surrogate)
         return {"loss": loss, "mutable_state": weights.mutable_state}
-
-    def diagnose(
-        self, rng_key: jax.Array, param_map: dict, model: Callable, guide: Callable, *args, **kwargs
-    ) -> bounds.BoundSummary:
-        """Estimates (``.klpq`` equals the loss), Kish ESS and non-finite count, same particles.
-
-        ``param_map`` is e.g. ``svi.get_params(state)``; the ``cubo`` field is CUBO_2.
-        """
-        weights = self._log_weights(rng_key, param_map, model, guide, args, kwargs)
-        return bounds.summarise(weights.log_w)

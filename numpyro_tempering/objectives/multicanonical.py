@@ -80,11 +80,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from numpyro.infer.elbo import ELBO
 
-from numpyro_tempering.engine import LogWeights, log_weights
+from numpyro_tempering.engine import LogWeights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.objectives.base import EngineELBO
 from numpyro_tempering.partition_function import (
     ModelSizes,
     _sizes_from_trace,
@@ -197,7 +197,7 @@ def multicanonical_elbo(
     return value, posterior
 
 
-class MulticanonicalELBO(ELBO):
+class MulticanonicalELBO(EngineELBO):
     r"""Multicanonical ELBO (eq. 13) with the closed-form optimal :math:`q(y)` (eq. 18).
 
     Args:
@@ -211,7 +211,9 @@ class MulticanonicalELBO(ELBO):
             plate's per-element :math:`\log c_n`).
         sites, latent, exclude, joint: which sites form the tempered likelihood and how,
             as in :class:`~numpyro_tempering.temper` (default: the observed sites).
-        num_particles: Monte Carlo particles (vectorised).
+        num_particles: Monte Carlo particles.
+        vectorize_particles: as in :class:`~numpyro.infer.Trace_ELBO` (``jax.vmap``,
+            ``jax.lax.map`` or a callable).
 
     The loss is :math:`-\mathcal{L}_M` at :math:`q(y) = r^*`. A ladder with only
     :math:`T = 1` and :math:`\log C(1) = 0` gives exactly
@@ -257,6 +259,7 @@ class MulticanonicalELBO(ELBO):
         exclude: str | Collection[str] = (),
         joint: bool = False,
         num_particles: int = 1,
+        vectorize_particles: bool | Callable = True,
     ) -> None:
         if not isinstance(ladder, Ladder):
             raise TypeError(f"`ladder` must be a Ladder, got {type(ladder).__name__}.")
@@ -271,7 +274,7 @@ class MulticanonicalELBO(ELBO):
         self.joint = bool(joint)
         self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=self.joint)
         self._sizes_cache: dict[Any, tuple[ModelSizes, list[str]]] = {}
-        super().__init__(num_particles=num_particles)
+        super().__init__(num_particles=num_particles, vectorize_particles=vectorize_particles)
 
     def tempered_model(self, model: Callable, temperature: Any = 1.0) -> Callable:
         """The model with its likelihood sites marked (``temper(model, 1.0, ...)``), or
@@ -314,15 +317,9 @@ class MulticanonicalELBO(ELBO):
         """Log weights, and the tempered log-likelihood at every rung if ``joint``."""
 
         def at(temperature: Any) -> LogWeights:
-            return log_weights(
-                rng_key,
-                param_map,
-                self.tempered_model(model, temperature),
-                guide,
-                args,
-                kwargs,
-                num_particles=self.num_particles,
-                plate=self.plate,
+            tempered = self.tempered_model(model, temperature)
+            return self.log_weights(
+                rng_key, param_map, tempered, guide, args, kwargs, plate=self.plate
             )
 
         if not self.joint:

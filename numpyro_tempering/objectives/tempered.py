@@ -7,15 +7,14 @@ from collections.abc import Callable, Collection
 import jax
 import jax.numpy as jnp
 import numpy as np
-from numpyro.infer.elbo import ELBO
 
-from numpyro_tempering.engine import log_weights, particle_options
 from numpyro_tempering.handlers import check_temperature, temper
+from numpyro_tempering.objectives.base import EngineELBO
 
 __all__ = ["TemperedELBO"]
 
 
-class TemperedELBO(ELBO):
+class TemperedELBO(EngineELBO):
     r"""Tempered ELBO (Mandt et al. 2016, eq. 7):
 
     .. math::
@@ -144,16 +143,12 @@ class TemperedELBO(ELBO):
             return model
         return temper(model, self.temperature, **self._selection)
 
+    def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
+        return self.tempered_model(model), guide
+
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
-        weights = log_weights(
-            rng_key,
-            param_map,
-            self.tempered_model(model),
-            guide,
-            args,
-            kwargs,
-            per_site=not self.sum_sites,
-            **particle_options(self),
+        weights = self.log_weights(
+            rng_key, param_map, model, guide, args, kwargs, per_site=not self.sum_sites
         )
         if self.sum_sites:
             loss = -jnp.mean(weights.log_w)
