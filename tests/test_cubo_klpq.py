@@ -7,6 +7,7 @@ evidence x ~ N(M0 1, SIGMA^2 I + S0^2 1 1^T) (log Z computed with SciPy in float
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -621,3 +622,62 @@ def test_all_weights_zero_gives_nan_not_the_best_value(objective):
     assert bool(jnp.isnan(loss)), loss
     d = value(objective.diagnose, everywhere, X, -jnp.inf, model=model_trouble)
     assert int(d.num_nonfinite) == 16 and d.iwae == -jnp.inf and bool(jnp.isnan(d.cubo))
+
+
+# ---------------------------------------------------------------------------------------
+# One objective core (objectives.base): Trace_ELBO's particle options and per-step warnings.
+def _normal_pair():
+    def model():
+        numpyro.sample("z", dist.Normal(0.0, 1.0))
+        numpyro.sample("x", dist.Normal(0.0, 1.0), obs=0.3)
+
+    def guide():
+        numpyro.sample("z", dist.Normal(numpyro.param("loc", 0.5), numpyro.param("s", 0.8)))
+
+    return model, guide
+
+
+@pytest.mark.parametrize("make", [lambda v: CUBO(num_particles=8, vectorize_particles=v),
+                                  lambda v: KLpq(8, vectorize_particles=v)],
+                         ids=["cubo", "klpq"])
+def test_vectorize_particles_false_is_the_same_estimate(make):
+    """jax.lax.map over particles gives the vmap loss and gradient (same keys)."""
+    model, guide = _normal_pair()
+    params = {"loc": 0.5, "s": 0.8}
+    key = jax.random.PRNGKey(4)
+    vals = []
+    for v in (True, False):
+        elbo = make(v)
+        vals.append(jax.value_and_grad(lambda p, e=elbo: e.loss(key, p, model, guide))(params))
+    np.testing.assert_allclose(vals[0][0], vals[1][0], rtol=1e-6)
+    for k in params:
+        np.testing.assert_allclose(vals[0][1][k], vals[1][1][k], rtol=1e-5)
+    with pytest.raises(ValueError, match="vectorize_particles"):
+        make("yes").loss(key, params, model, guide)
+
+
+def test_warn_reports_a_cubo_below_the_lower_bound_inside_jit():
+    """warn=True issues a BoundWarning from inside the compiled loss (jax.debug.callback)."""
+    from numpyro_tempering.diagnostics import BoundWarning
+
+    model, guide = _normal_pair()
+    params = {"loc": 0.5, "s": 0.8}
+    quiet = CUBO(num_particles=8)
+    loud = CUBO(num_particles=8, warn=True, lower_bound=100.0)  # no CUBO reaches 100
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jax.jit(lambda p: quiet.loss(KEY, p, model, guide))(params))
+        jax.effects_barrier()
+    assert not [w for w in caught if issubclass(w.category, BoundWarning)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.block_until_ready(jax.jit(lambda p: loud.loss(KEY, p, model, guide))(params))
+        jax.effects_barrier()
+    assert any(
+        issubclass(w.category, BoundWarning) and "below the given lower bound" in str(w.message)
+        for w in caught
+    )
+    with pytest.raises(ValueError, match="`lower_bound` must be None or a finite real"):
+        CUBO(lower_bound=float("nan"))
+    with pytest.raises(ValueError, match="`warn` must be True or False"):
+        KLpq(warn=1)

@@ -20,6 +20,7 @@ sites where the gradient needs them) and the model's parameters held fixed
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable
@@ -93,6 +94,14 @@ class UpperBoundELBO(EngineELBO):
         vectorize_particles: as in :class:`~numpyro.infer.Trace_ELBO`.
         learn_model_params: ``False`` holds the model's ``numpyro.param`` sites fixed
             (:class:`~numpyro_tempering.handlers.stop_param_gradients`).
+        warn: check every step's weights on the host
+            (:func:`~numpyro_tempering.diagnostics.training_flags` through
+            ``jax.debug.callback``) and issue a
+            :class:`~numpyro_tempering.diagnostics.BoundWarning` for non-finite weights, a
+            degenerate effective sample size (< 1% of the particles) or, with
+            ``lower_bound``, a CUBO estimate below it.
+        lower_bound: a known lower bound on log p(x) (e.g. a warm start's ELBO), for
+            ``warn``.
     """
 
     #: Name used in error messages.
@@ -106,15 +115,35 @@ class UpperBoundELBO(EngineELBO):
         vectorize_particles: bool | Callable = True,
         *,
         learn_model_params: bool = False,
+        warn: bool = False,
+        lower_bound: float | None = None,
     ) -> None:
         num_particles = check_num_particles(num_particles, self.owner)
-        if not isinstance(learn_model_params, bool):
-            raise ValueError(
-                f"{self.owner}: `learn_model_params` must be True or False, got "
-                f"{learn_model_params!r}."
-            )
+        for name, flag in (("learn_model_params", learn_model_params), ("warn", warn)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{self.owner}: `{name}` must be True or False, got {flag!r}.")
+        if lower_bound is not None:
+            value = concrete_real(lower_bound, self.owner, "lower_bound")
+            if value is None:
+                raise ValueError(
+                    f"{self.owner}: `lower_bound` must be None or a finite real number, got "
+                    f"{lower_bound!r}."
+                )
+            lower_bound = value
         self.learn_model_params = learn_model_params
+        self.warn = warn
+        self.lower_bound = lower_bound
         super().__init__(num_particles=num_particles, vectorize_particles=vectorize_particles)
+
+    def check_step(self, log_w: jax.Array, n: float) -> None:
+        """With ``warn=True``: the host-side :class:`~numpyro_tempering.diagnostics.BoundWarning`
+        check of this step's weights (CUBO_n's gradient weights :math:`w^n`)."""
+        if not self.warn:
+            return
+        from numpyro_tempering.diagnostics import training_flags, warn_training_flags
+
+        flags = training_flags(jax.lax.stop_gradient(log_w), n=n, lower_bound=self.lower_bound)
+        jax.debug.callback(functools.partial(warn_training_flags, owner=self.owner), flags)
 
     def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
         model, guide = checked(model, guide, self.owner, require_rsample=self.require_rsample)

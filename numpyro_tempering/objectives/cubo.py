@@ -113,8 +113,12 @@ class CUBO(UpperBoundELBO):
         num_particles: particles S >= 2 per estimate (an integer).
         gradient: ``"direct"`` or ``"exponentiated"``.
         shift: for ``"exponentiated"``: ``None`` for the running max (stable), or a constant c.
+        vectorize_particles: keyword-only; as in :class:`~numpyro.infer.Trace_ELBO`.
         learn_model_params: keyword-only; ``False`` (default) holds the model's parameters
             fixed, ``True`` fits them by the IWAE gradient (see above).
+        warn, lower_bound: keyword-only; per-step host-side warnings (non-finite weights,
+            degenerate ESS, an estimate below ``lower_bound``), see
+            :class:`~numpyro_tempering.objectives.base.UpperBoundELBO`.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
@@ -144,6 +148,8 @@ class CUBO(UpperBoundELBO):
         *,
         vectorize_particles: bool | Callable = True,
         learn_model_params: bool = False,
+        warn: bool = False,
+        lower_bound: float | None = None,
     ) -> None:
         order = concrete_real(n, "CUBO", "n")
         if order is None or not order > 1:
@@ -169,6 +175,8 @@ class CUBO(UpperBoundELBO):
             num_particles,
             vectorize_particles,
             learn_model_params=learn_model_params,
+            warn=warn,
+            lower_bound=lower_bound,
         )
 
     def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
@@ -186,6 +194,7 @@ class CUBO(UpperBoundELBO):
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
         weights = self.log_weights(rng_key, param_map, model, guide, args, kwargs)
+        self.check_step(weights.log_w, self.n)
         value = bounds.cubo(weights.log_w, self.n)
         if self.gradient == "direct":
             loss = value

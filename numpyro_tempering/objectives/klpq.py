@@ -95,8 +95,12 @@ class KLpq(UpperBoundELBO):
 
     Args:
         num_particles: particles S >= 2 per step (an integer).
+        vectorize_particles: as in :class:`~numpyro.infer.Trace_ELBO`.
         learn_model_params: keyword-only; ``False`` (default) holds the model's parameters
             fixed, ``True`` fits them by the IWAE gradient (see above).
+        warn: keyword-only; per-step host-side warnings (non-finite weights, an effective
+            sample size of the self-normalised weights below 1% of the particles), see
+            :class:`~numpyro_tempering.objectives.base.UpperBoundELBO`.
 
     Example:
         >>> import jax, jax.numpy as jnp, optax, numpyro, numpyro.distributions as dist
@@ -124,9 +128,10 @@ class KLpq(UpperBoundELBO):
         vectorize_particles: bool | Callable = True,
         *,
         learn_model_params: bool = False,
+        warn: bool = False,
     ) -> None:
         super().__init__(
-            num_particles, vectorize_particles, learn_model_params=learn_model_params
+            num_particles, vectorize_particles, learn_model_params=learn_model_params, warn=warn
         )
 
     def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
@@ -135,6 +140,7 @@ class KLpq(UpperBoundELBO):
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
         weights = self.log_weights(rng_key, param_map, model, guide, args, kwargs)
+        self.check_step(weights.log_w, 1.0)  # the self-normalised weights' ESS
         log_w = jax.lax.stop_gradient(weights.log_w)
         surrogate = weighted_surrogate(log_w, weights.log_joint + weights.log_q)
         loss = bounds.klpq(log_w) + surrogate - jax.lax.stop_gradient(surrogate)
