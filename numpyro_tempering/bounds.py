@@ -3,8 +3,7 @@ r"""Evidence-bound estimators: pure functions of a vector of log importance weig
 For particles :math:`z_s \sim q`, :math:`s = 1..S`, with log weights
 :math:`\log w_s = \log p(x, z_s) - \log q(z_s)` (``LogWeights.log_w`` from
 :func:`numpyro_tempering.engine.log_weights`), this module estimates the bounds on the log
-evidence :math:`\log Z = \log p(x)` of chi-square-upper-bounds-challenges (Pradier, Hughes,
-Doshi-Velez):
+evidence :math:`\log Z = \log p(x)` of Pradier et al. 2019:
 
 =====================  =============================================================  ========
 function               estimate                                                       bound
@@ -171,7 +170,7 @@ def _check_order(n: jax.typing.ArrayLike) -> None:
 
 
 def cubo(log_w: jax.typing.ArrayLike, n: jax.typing.ArrayLike = 2.0) -> jax.Array:
-    r"""CUBO estimate :math:`\frac1n \log \frac1S \sum_s w_s^n` (chi-square-upper-bounds eq. 1).
+    r"""CUBO estimate :math:`\frac1n \log \frac1S \sum_s w_s^n` (Pradier et al. 2019, eq. 1).
 
     The Monte Carlo estimate of :math:`\mathrm{CUBO}_n = \frac1n \log \mathbb{E}_q[w^n]`, an
     upper bound on :math:`\log p(x)` for n > 1 (n = 2 is the paper's eq. 1). The estimate
@@ -209,7 +208,7 @@ def self_normalised_weights(log_w: jax.typing.ArrayLike) -> jax.Array:
 
 
 def klpq(log_w: jax.typing.ArrayLike) -> jax.Array:
-    r"""Self-normalised estimate of the KLpq upper bound (chi-square-upper-bounds eq. 3).
+    r"""Self-normalised estimate of the KLpq upper bound (Pradier et al. 2019, eq. 3).
 
     Eq. 3 is :math:`\mathrm{UB}_{KLpq} = \mathbb{E}_{p(z \mid x)}[\log p(x, z) - \log q(z)]
     = \log p(x) + \mathrm{KL}(p \,\|\, q)`. The paper averages over posterior (HMC) draws;

@@ -3,8 +3,8 @@ r"""How far can a bound on the evidence be trusted? The evidence sandwich, diagn
 :func:`evidence_bounds` estimates lower and upper bounds on the log evidence
 :math:`\log Z = \log p(x)` for a fitted guide q, each from ``num_replicates`` independent
 replicates at every sample size S in ``num_samples``, and says in plain language which of them
-can be trusted (chi-square-upper-bounds-challenges, Pradier, Hughes & Doshi-Velez; "Pradier et
-al., eq. N" below). With :math:`\log w = \log p(x, z) - \log q(z)`:
+can be trusted (Pradier et al. 2019; "Pradier et al., eq. N" below). With
+:math:`\log w = \log p(x, z) - \log q(z)`:
 
 * ``elbo`` (lower): :math:`\frac1S \sum_s \log w_s`, :math:`z_s \sim q`;
 * ``iwae`` (lower): :math:`\log \frac1S \sum_s w_s`, :math:`z_s \sim q`;

@@ -1,6 +1,6 @@
 r"""The ``multicanonical`` effect handler: the ladder temperature as an exactly marginalised site.
 
-The multicanonical joint (annealed-and-multicanonical-vi, eq. 10-11) with the temperature
+The multicanonical joint (Mandt et al. 2016, eq. 10-11) with the temperature
 assignment :math:`y` summed out over the ladder is
 
 .. math::

@@ -16,8 +16,8 @@ and the normalised tempered distribution :math:`p_T(x) = p(x)^{1/T} / Z(T)`, so 
     \log p_T(x) = \frac{\log p(x)}{T} - \log Z(T).
 
 These are the building blocks of the tempered partition function :math:`C(T)` of
-variational tempering (supplement, eq. 1-3) and of the multicanonical joint (annealed and
-multicanonical VI, eq. 4-5 and 10-13): the per-datum integral
+variational tempering (Mandt et al. 2016, supplement eq. 1-3; "supplement eq. N" below) and
+of the multicanonical joint (Mandt et al. 2016, eq. 4-5 and 10-13): the per-datum integral
 :math:`\int dx_i\, dz_i\, p(x_i, z_i \mid \beta)^{1/T}` of supplement eq. 1-2 is a sum of
 ``tempered_log_normalizer`` terms over the local sites once :math:`\beta` is fixed, and
 supplement eq. 3 turns it into a Monte-Carlo average over :math:`\beta \sim p(\beta)`.

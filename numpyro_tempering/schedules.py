@@ -98,7 +98,7 @@ def linear(
 ) -> Schedule:
     """Linear annealing from ``start`` to ``end`` over ``num_steps`` steps, then constant.
 
-    This is the schedule of the paper's experiments (annealed-and-multicanonical-vi,
+    This is the schedule of the paper's experiments (Mandt et al. 2016,
     section 4: FMM "started at T = 10 and ended in T = 1"; LDA with the temperature updated
     every 1000 iterations, ``every=1000``).
     """
@@ -145,7 +145,7 @@ def from_ladder(
 ) -> Schedule:
     """Linear annealing that starts at the mean temperature of a ladder and reaches T = 1.
 
-    The paper's annealing baseline for LDA (annealed-and-multicanonical-vi, section 4.1):
+    The paper's annealing baseline for LDA (Mandt et al. 2016, section 4.1):
     "linear schedules that started in the mean temperature under a uniform distribution over
     T_m, and then used a linearly decreasing annealing schedule that ended in T = 1 after t_A".
     ``weights`` are the ladder's prior weights pi_m (uniform by default).

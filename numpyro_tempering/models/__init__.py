@@ -1,7 +1,7 @@
 """Example models of the papers, ready for annealed / multicanonical inference.
 
 * :mod:`numpyro_tempering.models.fmm` -- the factorial mixture model of
-  annealed-and-multicanonical-vi, section 4.2 (explicit and collapsed forms, the toy data of
+  Mandt et al. 2016, section 4.2 (explicit and collapsed forms, the toy data of
   Fig. 5, the closed-form tempered partition function and component matching).
 * :mod:`numpyro_tempering.models.lda` -- collapsed LDA, synthetic corpora and its tempered
   normaliser (Mandt et al. 2016, supplement eq. 5-7).

@@ -1,4 +1,4 @@
-r"""The factorial mixture model (FMM) of annealed-and-multicanonical-vi, section 4.2.
+r"""The factorial mixture model (FMM) of Mandt et al. 2016, section 4.2.
 
 Generative process (eq. 19), for N data points :math:`x_n \in \mathbb{R}^D` and K components:
 
@@ -365,7 +365,7 @@ def jointly_tempered_log_lik(
 ) -> jax.Array:
     r"""Per-datum :math:`\log \sum_{z_n} p(x_n, z_n \mid \mu)^{1/T}` (eq. 4 with z summed out).
 
-    The paper's tempering of the local joint (annealed-and-multicanonical-vi, eq. 4 and 7;
+    The paper's tempering of the local joint (Mandt et al. 2016, eq. 4 and 7;
     supplement section C), evaluated exactly by enumerating the :math:`2^K` configurations:
     ``logsumexp_c [log p(x_n, c | mu) / T]``. It equals the tempered ELBO's local terms
     maximised over :math:`q(z_n)`, and, by the identity in the module docstring,
@@ -578,7 +578,7 @@ def multicanonical_model(
 ) -> None:
     r"""The FMM with the local step done analytically at inverse temperature ``beta_z``.
 
-    For multicanonical VI (annealed-and-multicanonical-vi, eq. 13 and Algorithm 1): with
+    For multicanonical VI (Mandt et al. 2016, eq. 13 and Algorithm 1): with
     :math:`q(z_n = c) \propto p(x_n, c \mid \mu)^{\beta_z}` over all 2^K configurations,
 
     * ``x_z`` (to be tempered): :math:`\mathbb{E}_{q(z_n)}[\log p(x_n, z_n \mid \mu)]`, the

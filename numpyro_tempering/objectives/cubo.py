@@ -1,6 +1,6 @@
 r"""CUBO: minimise the chi-divergence upper bound on the log evidence (CHIVI).
 
-Chi-square-upper-bounds-challenges (Pradier, Hughes, Doshi-Velez), eq. 1, for general order
+Pradier et al. 2019, eq. 1, for general order
 n > 1 (Dieng et al. 2017):
 
 .. math::
@@ -35,7 +35,7 @@ __all__ = ["CUBO"]
 
 
 class CUBO(UpperBoundELBO):
-    r"""Minimise the chi upper bound :math:`\mathrm{CUBO}_n` (chi-square-upper-bounds, eq. 1).
+    r"""Minimise the chi upper bound :math:`\mathrm{CUBO}_n` (Pradier et al. 2019, eq. 1).
 
     With :math:`\log w_s = \log p(x, z_s) - \log q(z_s)` for S reparameterised particles
     :math:`z_s \sim q` (vectorised by the engine), the estimate is

@@ -1,6 +1,6 @@
 r"""KLpq: minimise KL(p || q) with self-normalised importance weights (reweighted wake-sleep).
 
-Chi-square-upper-bounds-challenges, appendix B, eq. 3 (after Ji et al. 2010):
+Pradier et al. 2019, appendix B, eq. 3 (after Ji et al. 2010):
 
 .. math::
 
@@ -31,7 +31,7 @@ __all__ = ["KLpq"]
 
 
 class KLpq(UpperBoundELBO):
-    r"""Minimise KL(p || q) via the KLpq upper bound (chi-square-upper-bounds, eq. 3).
+    r"""Minimise KL(p || q) via the KLpq upper bound (Pradier et al. 2019, eq. 3).
 
     For S particles :math:`z_s \sim q` with log weights
     :math:`\log w_s = \log p(x, z_s) - \log q(z_s)` and self-normalised weights

@@ -1,4 +1,4 @@
-r"""The multicanonical ELBO of multicanonical VI (annealed-and-multicanonical-vi, eq. 13, 18).
+r"""The multicanonical ELBO of multicanonical VI (Mandt et al. 2016, eq. 13, 18).
 
 The multicanonical model (eq. 10-11) draws a temperature :math:`y \sim \mathrm{Mult}(\pi)`
 from a ladder and tempers the likelihood at :math:`T_y`, normalised by :math:`C(T_y)`. With

@@ -1,7 +1,7 @@
 r"""Beta-Bernoulli latent features: structured stochastic VI with tempering.
 
 The finite beta-Bernoulli process with a linear-Gaussian likelihood of Shah, Knowles and
-Ghahramani (beta-bernoulli-process-svi-supplement; cited as "Shah et al., supplement,
+Ghahramani (2015; cited as "Shah et al. 2015, supplement,
 <section>"), fitted by four local schemes inside stochastic VI and by batch mean-field VI,
 each at T = 1, annealed and multicanonically (Mandt et al. 2016, Algorithm 1, eq. 15-18).
 

@@ -1,6 +1,6 @@
 r"""The finite beta-Bernoulli linear-Gaussian latent feature model and its data.
 
-Shah et al. (beta-bernoulli-process-svi-supplement, section "Variational Inference
+Shah et al. 2015 (supplement, section "Variational Inference
 Schemes"): for :math:`N` observations :math:`y_i \in \mathbb{R}^D` and :math:`K` features,
 
 .. math::
