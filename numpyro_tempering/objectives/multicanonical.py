@@ -108,16 +108,6 @@ from numpyro_tempering.temperatures import temperature_history as temperature_hi
 __all__ = ["MulticanonicalELBO", "multicanonical_elbo"]
 
 
-def _tempered_likelihoods(
-    weights: LogWeights, inv_t: jax.Array, per_element: bool, by_temperature: jax.Array | None
-) -> jax.Array:
-    """Per particle (and element) log-likelihood at every temperature: ``(S, [B,] M)``."""
-    if by_temperature is not None:
-        return by_temperature
-    lik = weights.log_lik_elements if per_element else weights.log_lik
-    return lik[..., None] * inv_t
-
-
 def multicanonical_elbo(
     weights: LogWeights,
     ladder: Ladder,
@@ -163,10 +153,16 @@ def multicanonical_elbo(
     per_element = plate_size is not None
     if per_element and weights.log_lik_elements is None:
         raise ValueError("a local temperature needs log_lik_elements (engine plate=...).")
-    lik = _tempered_likelihoods(weights, inv_t, per_element, log_lik_by_temperature)
+    # l_m = l / T_m unless given per rung (joint tempering): then the (S, [B,] M) array is
+    # never formed, and sum_m r_m l_m = E_r[1/T] l (the fused form)
+    linear = log_lik_by_temperature is None
+    base = weights.log_lik_elements if per_element else weights.log_lik  # (S, [B])
     if per_element:
         scale = weights.plate_scale
-        ell = jnp.mean(lik, axis=0) / scale  # (B, M), per element, unscaled
+        if linear:
+            ell = (jnp.mean(base, axis=0) / scale)[:, None] * inv_t  # (B, M), unscaled
+        else:
+            ell = jnp.mean(log_lik_by_temperature, axis=0) / scale
         indices = weights.plate_indices
         if indices is None and ell.shape[0] != plate_size:
             raise ValueError(
@@ -176,7 +172,9 @@ def multicanonical_elbo(
         log_c = element_log_partition(ladder, plate_size, indices, dtype)
     else:
         scale = 1.0
-        ell = jnp.mean(lik, axis=0)  # (M,)
+        ell = (
+            jnp.mean(base, axis=0) * inv_t if linear else jnp.mean(log_lik_by_temperature, axis=0)
+        )  # (M,)
     # eq. 18 at the current ell, held fixed for the gradient (envelope theorem)
     optimum = temperature_posterior(jax.lax.stop_gradient(ell), ladder, log_c=log_c)
     if probs is None:
@@ -190,7 +188,10 @@ def multicanonical_elbo(
     # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
     log_r = jnp.log(jnp.where(r > 0, r, 1.0))
     const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
-    expected = jnp.sum(r * lik, axis=-1)  # (S,) or (S, B)
+    if linear:
+        expected = base * posterior.mean_inverse_temperature  # (S,) or (S, B)
+    else:
+        expected = jnp.sum(r * log_lik_by_temperature, axis=-1)
     if per_element:
         expected = jnp.sum(expected, axis=-1)
     value = jnp.mean(weights.log_prior + expected - weights.log_q) + scale * jnp.sum(const)
