@@ -131,8 +131,8 @@ class AdditiveLogisticTransform(ParameterFreeTransform):
 
     >>> import jax.numpy as jnp
     >>> t = AdditiveLogisticTransform()
-    >>> t(jnp.zeros(2))  # doctest: +SKIP
-    Array([0.333..., 0.333..., 0.333...], dtype=float32)
+    >>> [round(float(v), 4) for v in t(jnp.zeros(2))]
+    [0.3333, 0.3333, 0.3333]
     """
 
     domain = constraints.real_vector
@@ -720,7 +720,17 @@ def simplex_guide(
     :param guide_kwargs: forwarded to every simplex guide (e.g. ``init_scale`` -- only
         pass options accepted by all the families used).
 
-    >>> guide = simplex_guide(model, {"theta": "dirichlet"})  # doctest: +SKIP
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> from numpyro.infer import Trace_ELBO
+    >>> def model():
+    ...     theta = numpyro.sample("theta", dist.Dirichlet(jnp.ones(3)))
+    ...     loc = numpyro.sample("loc", dist.Normal(0.0, 1.0))
+    ...     numpyro.sample("x", dist.Categorical(theta), obs=jnp.array([0, 2, 2]))
+    ...     numpyro.sample("y", dist.Normal(loc, 1.0), obs=0.5)
+    >>> guide = simplex_guide(model, {"theta": "dirichlet"})
+    >>> loss = Trace_ELBO().loss(jax.random.PRNGKey(0), {}, model, guide)
+    >>> bool(jnp.isfinite(loss))
+    True
     """
     guide = AutoGuideList(model, prefix=prefix, init_loc_fn=init_loc_fn)
     by_family: dict[str, list[str]] = {}

@@ -128,9 +128,25 @@ def elbo_init(
     :param kwargs: keyword arguments of the model / guide.
     :return: dict param name -> constrained value.
 
-    >>> params = elbo_init(model, guide, data, key=random.PRNGKey(0))  # doctest: +SKIP
-    >>> svi = SVI(model, guide, optax.adam(1e-3), my_upper_bound)  # doctest: +SKIP
-    >>> svi.run(random.PRNGKey(1), 500, data, init_params=params)  # doctest: +SKIP
+    Example (warm-start a CUBO fit; the exact posterior here is N(1.5, 1/2)):
+
+    >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist, optax
+    >>> from numpyro.infer import SVI
+    >>> from numpyro.infer.autoguide import AutoNormal
+    >>> from numpyro_tempering import CUBO
+    >>> def model(x):
+    ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+    ...     numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+    >>> guide = AutoNormal(model)
+    >>> params = elbo_init(model, guide, 3.0, key=jax.random.PRNGKey(0), num_steps=500,
+    ...                    optim=optax.adam(0.05), num_particles=32)
+    >>> abs(float(params["mu_auto_loc"]) - 1.5) < 0.1
+    True
+    >>> svi = SVI(model, guide, optax.adam(1e-3), CUBO(num_particles=16))
+    >>> result = svi.run(jax.random.PRNGKey(1), 20, 3.0, init_params=params,
+    ...                  progress_bar=False)
+    >>> abs(float(result.params["mu_auto_loc"]) - 1.5) < 0.1
+    True
     """
     optim = optax.adam(0.01) if optim is None else optim
     svi = SVI(model, guide, optim, Trace_ELBO(num_particles=num_particles))
