@@ -17,6 +17,7 @@ import numpyro.distributions as dist
 import optax
 import pytest
 import scipy.stats
+from conjugate import M0, S0, SIGMA, X, guide, model, tempered_log_evidence, tempered_posterior
 from numpyro import handlers
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoDiagonalNormal, AutoNormal
@@ -27,39 +28,19 @@ from numpyro_tempering.handlers import stop_sample_gradients
 from numpyro_tempering.objectives.cubo import CUBO
 from numpyro_tempering.objectives.klpq import KLpq
 
-M0, S0, SIGMA = 0.5, 2.0, 1.0
-X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1, 1.5, 0.2])
 KEY = jax.random.PRNGKey(3)
 
 
 def posterior(x=X):
-    x = np.asarray(x, np.float64)
-    precision = 1 / S0**2 + x.shape[0] / SIGMA**2
-    mean = (M0 / S0**2 + x.sum() / SIGMA**2) / precision
-    return mean, precision**-0.5
+    return tempered_posterior(1.0, x)
 
 
 def log_evidence(x=X):
-    x = np.asarray(x, np.float64)
-    n = x.shape[0]
-    cov = SIGMA**2 * np.eye(n) + S0**2 * np.ones((n, n))
-    return scipy.stats.multivariate_normal(np.full(n, M0), cov).logpdf(x)
+    return tempered_log_evidence(1.0, x)
 
 
 M_N, S_N = posterior()
 LOG_Z = log_evidence()
-
-
-def model(x):
-    mu = numpyro.sample("mu", dist.Normal(M0, S0))
-    with numpyro.plate("data", x.shape[0]):
-        numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
-
-
-def guide(x, *_):
-    loc = numpyro.param("loc", 0.0)
-    scale = numpyro.param("scale", 1.0, constraint=dist.constraints.positive)
-    numpyro.sample("mu", dist.Normal(loc, scale))
 
 
 EXACT = {"loc": jnp.array(M_N), "scale": jnp.array(S_N)}

@@ -24,6 +24,7 @@ import optax
 import pytest
 import scipy.optimize
 import scipy.stats
+from conjugate import M0, S0, SIGMA, X, guide, model, tempered_log_evidence, tempered_posterior
 from numpyro.infer import SVI
 
 from numpyro_tempering import bounds, temper
@@ -32,37 +33,8 @@ from numpyro_tempering.handlers import stop_param_gradients, stop_sample_gradien
 from numpyro_tempering.objectives.cubo import CUBO
 from numpyro_tempering.objectives.klpq import KLpq
 
-M0, S0, SIGMA = 0.5, 2.0, 1.0
-X = jnp.array([1.3, 0.4, 2.1, 1.7, 0.9, 1.1, 1.5, 0.2])
 KEY = jax.random.PRNGKey(5)
 S = 16
-
-
-def tempered_posterior(beta, x=X):
-    x = np.asarray(x, np.float64)
-    precision = 1 / S0**2 + beta * x.shape[0] / SIGMA**2
-    mean = (M0 / S0**2 + beta * x.sum() / SIGMA**2) / precision
-    return mean, precision**-0.5
-
-
-def tempered_log_evidence(beta, x=X):
-    x = np.asarray(x, np.float64)
-    n = x.shape[0]
-    cov = SIGMA**2 / beta * np.eye(n) + S0**2 * np.ones((n, n))
-    per_point = 0.5 * (1 - beta) * np.log(2 * np.pi * SIGMA**2) - 0.5 * np.log(beta)
-    return n * per_point + scipy.stats.multivariate_normal(np.full(n, M0), cov).logpdf(x)
-
-
-def model(x):
-    mu = numpyro.sample("mu", dist.Normal(M0, S0))
-    with numpyro.plate("data", x.shape[0]):
-        numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
-
-
-def guide(x):
-    loc = numpyro.param("loc", 0.0)
-    scale = numpyro.param("scale", 1.0, constraint=dist.constraints.positive)
-    numpyro.sample("mu", dist.Normal(loc, scale))
 
 
 OBJECTIVES = {
