@@ -24,7 +24,17 @@ Methods (``--methods``):
   offset = tau, iterations and gamma threshold (its step-size clock differs: it counts
   passes and chunks), ``eval_every=None``.
 
-(``blackbox`` -- NumPyro SVI on :mod:`numpyro_tempering.models.lda` -- is not implemented.)
+* ``blackbox``: stock NumPyro SVI on collapsed LDA (:mod:`numpyro_tempering.models.
+  lda_blackbox`), Adam, one row per guide in ``--blackbox-guides`` (``dirichlet``,
+  ``logistic_normal``, ``amortised``) and temperature in ``--blackbox-temps`` (``1``:
+  TemperedELBO at T = 1 = Trace_ELBO; ``anneal``: the linear schedule of the first
+  ``--anneal-passes`` value; ``mvi``: MulticanonicalELBO with a temperature per document),
+  at the same passes and minibatch size as the others.
+
+``--devices N`` replaces the table by the data-parallel scaling study: documents/s of the
+T = 1 conjugate route over 1, 2, ..., N devices (``lda_svi.fit(mesh=n)``); on a CPU the
+script sets ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX is imported
+(N simulated devices sharing the machine's cores).
 
 Columns: held-out per-word log-likelihood, mean +- sd over seeds; wall seconds per pass
 (compilation excluded and reported separately); documents per second; ``ratio``: our
@@ -49,10 +59,26 @@ import os
 import sys
 import time
 
-import numpy as np
 
-from numpyro_tempering import Ladder, schedules
-from numpyro_tempering.models import corpora, lda_svi
+def _simulated_devices(argv: list[str]) -> None:
+    """``--devices N`` on CPU: N simulated host devices, set before JAX is imported (XLA
+    reads the flag once). On a machine with N real accelerators this changes nothing."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--devices=") else (
+            argv[i + 1] if arg == "--devices" and i + 1 < len(argv) else None)
+        if value and "xla_force_host_platform_device_count" not in os.environ.get(
+                "XLA_FLAGS", ""):
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                       f" --xla_force_host_platform_device_count={value}")
+
+
+if __name__ == "__main__":
+    _simulated_devices(sys.argv[1:])
+
+import numpy as np  # noqa: E402
+
+from numpyro_tempering import Ladder, schedules  # noqa: E402
+from numpyro_tempering.models import corpora, lda_blackbox, lda_svi  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,7 +89,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--topics", type=int, default=20)
     parser.add_argument("--passes", type=float, default=5)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--methods", default="svi,annealed,mvi,sklearn,gensim")
+    parser.add_argument("--methods", default="svi,annealed,mvi,blackbox,sklearn,gensim")
+    parser.add_argument("--blackbox-guides", default="dirichlet,amortised",
+                        help="guides of the black-box route: dirichlet, logistic_normal, "
+                             "amortised")
+    parser.add_argument("--blackbox-temps", default="1,anneal",
+                        help="temperatures of the black-box route: 1, anneal, mvi")
+    parser.add_argument("--blackbox-lr", type=float, default=0.05, help="Adam step size")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--rates", choices=("sklearn", "paper"), default="sklearn",
@@ -78,6 +110,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--synthetic-vocab", type=int, default=4000)
     parser.add_argument("--synthetic-length", type=int, default=100)
     parser.add_argument("--progress", action="store_true", help="progress bars")
+    parser.add_argument("--devices", type=int, default=0,
+                        help="instead of the methods: documents/s of SVI (T = 1) data-parallel "
+                             "over 1, 2, ..., N devices (on CPU, N simulated devices)")
     return parser.parse_args(argv)
 
 
@@ -98,6 +133,16 @@ def load(args) -> corpora.Corpus:
 def ours(train, args, seed, temperature, rates):
     res = lda_svi.fit(train, args.topics, passes=args.passes, batch_size=args.batch_size,
                       temperature=temperature, seed=seed, progress_bar=args.progress, **rates)
+    return res.lam, res.seconds, res.compile_seconds, res.docs_per_second, res.temperatures
+
+
+def blackbox(train, args, seed, guide, temperature):
+    res = lda_blackbox.fit(train, args.topics, guide=guide, passes=args.passes,
+                           batch_size=args.batch_size, temperature=temperature,
+                           learning_rate=args.blackbox_lr, seed=seed,
+                           progress_bar=args.progress)
+    if res.num_nonfinite:
+        print(f"  {guide}: {res.num_nonfinite} non-finite losses", file=sys.stderr)
     return res.lam, res.seconds, res.compile_seconds, res.docs_per_second, res.temperatures
 
 
@@ -136,6 +181,36 @@ def gensim_fit(train, args, seed, rates):
             max(1, int(round(args.passes))) * train.num_docs / seconds, None)
 
 
+def scaling(train, args, rates) -> dict:
+    """Documents/s of the T = 1 route data-parallel over 1..N devices (``fit(mesh=n)``), the
+    same minibatches, compilation excluded; speed-up against one device in the same run."""
+    import jax
+
+    if jax.device_count() < args.devices:
+        raise SystemExit(f"--devices {args.devices}: only {jax.device_count()} devices")
+    rows, base = {}, None
+    print(f"{'devices':>7} {'docs/s':>9} {'speed-up':>8} {'s/pass':>8} {'compile s':>9}")
+    for n in range(1, args.devices + 1):
+        dps, secs, comp = [], [], []
+        for seed in range(args.seeds):
+            res = lda_svi.fit(train, args.topics, passes=args.passes, batch_size=args.batch_size,
+                              seed=seed, mesh=n, progress_bar=args.progress, **rates)
+            dps.append(res.docs_per_second)
+            secs.append(res.seconds / args.passes)
+            comp.append(res.compile_seconds)
+        d = float(np.mean(dps))
+        base = d if base is None else base
+        print(f"{n:>7} {d:9.0f} {d / base:8.2f} {np.mean(secs):8.3f} {max(comp):9.1f}",
+              flush=True)
+        rows[f"svi devices={n}"] = {"docs_per_second": d, "speedup": d / base,
+                                    "seconds_per_pass": float(np.mean(secs)),
+                                    "compile_seconds": float(max(comp))}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
 def available(module: str) -> bool:
     import importlib.util
 
@@ -158,6 +233,9 @@ def main(argv=None) -> dict:
           f"{args.passes} passes of {steps_per_pass} minibatches of {args.batch_size}, "
           f"tau = {rates['tau']}, kappa = {rates['kappa']}", flush=True)
 
+    if args.devices:
+        return scaling(train, args, rates)
+
     methods = {}
     wanted = [m.strip() for m in args.methods.split(",") if m.strip()]
     for name in wanted:
@@ -173,7 +251,7 @@ def main(argv=None) -> dict:
             def mvi(s):
                 log_c = lda_svi.document_log_partition(
                     1000 + s, ladder.temperatures, args.topics, corpus.vocab_size)
-                mc = lda_svi.Multicanonical(ladder.temperatures, ladder.log_weights, log_c)
+                mc = lda_svi.Multicanonical(ladder.temperatures, ladder.log_prior, log_c)
                 return ours(train, args, s, mc, rates)
             methods["mvi"] = mvi
         elif name == "sklearn":
@@ -187,7 +265,20 @@ def main(argv=None) -> dict:
             else:
                 print("gensim not installed: skipped", file=sys.stderr)
         elif name == "blackbox":
-            print("blackbox: not implemented (see docs/lda.md)", file=sys.stderr)
+            t_a = float(args.anneal_passes.split(",")[0])
+            bb_temps = {
+                "1": 1.0,
+                "anneal": schedules.from_ladder(ladder.temperatures,
+                                                max(1, round(t_a * steps_per_pass))),
+                "mvi": Ladder(ladder.temperatures),
+            }
+            for guide in [g.strip() for g in args.blackbox_guides.split(",") if g.strip()]:
+                for label in [t.strip() for t in args.blackbox_temps.split(",") if t.strip()]:
+                    if label not in bb_temps:
+                        raise SystemExit(f"--blackbox-temps: unknown {label!r}")
+                    tag = {"1": "T=1", "anneal": f"t_A={t_a:g}", "mvi": "mvi"}[label]
+                    methods[f"bb {guide[:9]} {tag}"] = (
+                        lambda s, g=guide, t=bb_temps[label]: blackbox(train, args, s, g, t))
         else:
             raise SystemExit(f"unknown method {name!r}")
 

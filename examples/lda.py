@@ -55,7 +55,7 @@ def main() -> None:
     methods = {
         "SVI (T = 1)": 1.0,
         "AVI (t_A = 1 pass)": schedules.from_ladder(ladder.temperatures, steps_per_pass),
-        "MVI": lda_svi.Multicanonical(ladder.temperatures, ladder.log_weights, log_c),
+        "MVI": lda_svi.Multicanonical(ladder.temperatures, ladder.log_prior, log_c),
     }
     fits = {}
     for name, temperature in methods.items():

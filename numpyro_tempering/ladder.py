@@ -19,9 +19,11 @@ weights (section 4.1): :meth:`Ladder.geometric` with its defaults.
 
 **Trust.** A Monte Carlo log C can be off by hundreds of nats with a small standard error
 (see :mod:`numpyro_tempering.partition_function`). The ladder keeps, per temperature, the
-standard error ``stderr``, the effective sample size ``ess`` and the Pareto :math:`\hat k`
-``pareto_k`` of the estimate; ``flagged`` marks the temperatures whose estimate cannot be
-trusted, and the ``repr`` and :meth:`Ladder.summary` show them. The multicanonical objective
+standard error ``stderr`` (across SMC replicates for the default estimator), the effective
+sample size ``ess``, the number of SMC stages ``num_stages``, the Pareto :math:`\hat k`
+``pareto_k`` (plain Monte Carlo only) and the estimator's own flags (``untrusted``);
+``flagged`` marks the temperatures whose estimate cannot be trusted, and the ``repr`` and
+:meth:`Ladder.summary` show them. The multicanonical objective
 and handler warn when given a ladder with flagged temperatures.
 
 **Sizes.** The objective and handler compare the model they run with the sizes the ladder's
@@ -55,6 +57,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +82,17 @@ _WEIGHT_TOL = 1e-6
 #: ``sizes=UNCHECKED``: the user takes responsibility that log C fits the model (no check).
 UNCHECKED = "unchecked"
 
-_ARRAYS = ("temperatures", "weights", "log_c", "stderr", "ess", "pareto_k", "element_log_c")
+_ARRAYS = (
+    "temperatures",
+    "weights",
+    "log_c",
+    "stderr",
+    "ess",
+    "pareto_k",
+    "element_log_c",
+    "untrusted",
+    "num_stages",
+)
 
 
 def _concrete(*xs: Any) -> bool:
@@ -195,6 +208,12 @@ class Ladder:
         element_log_c: per-element :math:`\log c_n(T_m)`, shape ``(M, N)``, adding up to
             ``log_c`` over ``n``; needed by a per-element temperature.
         plate: the plate of ``element_log_c``.
+        untrusted: per temperature, whether the estimator flagged ``log_c`` as untrusted
+            (stored from the estimate's ``flagged``; when absent, ``flagged`` is recomputed
+            from ``ess``/``pareto_k`` by
+            :func:`~numpyro_tempering.partition_function.flag_untrusted`).
+        num_stages: mean number of tempered-SMC stages per temperature (``method="smc"``).
+        method: the estimator behind ``log_c`` (``"smc"``, ``"prior"``), or ``None``.
 
     Values are stored as float64 NumPy arrays and cast to the working dtype where used.
 
@@ -217,6 +236,9 @@ class Ladder:
     num_samples: int | None = None
     element_log_c: Any = None
     plate: str | None = None
+    untrusted: Any = None
+    num_stages: Any = None
+    method: str | None = None
 
     def __post_init__(self) -> None:
         if not _concrete(*(getattr(self, n) for n in _ARRAYS)):
@@ -236,6 +258,12 @@ class Ladder:
         elements = (
             None if self.element_log_c is None else np.asarray(self.element_log_c, np.float64)
         )
+        untrusted = (
+            None if self.untrusted is None else np.asarray(self.untrusted, bool).reshape(-1)
+        )
+        if untrusted is not None and untrusted.shape != (m,):
+            raise ValueError(f"`untrusted` must have {m} entries, got {untrusted.shape}.")
+        num_stages = None if self.num_stages is None else _vector(self.num_stages, "num_stages", m)
         for name, value in (("stderr", stderr), ("ess", ess), ("pareto_k", pareto_k)):
             if value is not None and log_c is None:
                 raise ValueError(f"`{name}` given without `log_c`.")
@@ -268,6 +296,8 @@ class Ladder:
             ("ess", ess),
             ("pareto_k", pareto_k),
             ("element_log_c", elements),
+            ("untrusted", untrusted),
+            ("num_stages", num_stages),
         ):
             if value is not None:
                 value.setflags(write=False)
@@ -278,14 +308,14 @@ class Ladder:
     # -- pytree -------------------------------------------------------------------------
     def tree_flatten(self) -> tuple[tuple, tuple]:
         children = tuple(getattr(self, n) for n in _ARRAYS)
-        return children, (self.sizes, self.num_samples, self.plate)
+        return children, (self.sizes, self.num_samples, self.plate, self.method)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> Ladder:
         obj = object.__new__(cls)
         for name, value in zip(_ARRAYS, children, strict=True):
             object.__setattr__(obj, name, value)
-        for name, value in zip(("sizes", "num_samples", "plate"), aux, strict=True):
+        for name, value in zip(("sizes", "num_samples", "plate", "method"), aux, strict=True):
             object.__setattr__(obj, name, value)
         return obj
 
@@ -325,10 +355,22 @@ class Ladder:
         return int(np.shape(self.temperatures)[0])
 
     @property
-    def log_weights(self) -> Any:
-        r""":math:`\log \pi_m` (``-inf`` where a weight is 0)."""
+    def log_prior(self) -> Any:
+        r""":math:`\log \pi_m`, the ladder's prior over the temperatures (``-inf`` where a
+        weight is 0)."""
         with np.errstate(divide="ignore"):
             return np.log(self.weights) if _concrete(self.weights) else jnp.log(self.weights)
+
+    @property
+    def log_weights(self) -> Any:
+        """Deprecated name of :attr:`log_prior` (``DeprecationWarning``)."""
+        warnings.warn(
+            "Ladder.log_weights is deprecated: it is log pi, the ladder's prior; use "
+            "Ladder.log_prior.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.log_prior
 
     @property
     def inverse_temperatures(self) -> Any:
@@ -344,7 +386,10 @@ class Ladder:
     def flagged(self) -> np.ndarray:
         """Per temperature: whether the Monte Carlo ``log_c`` cannot be trusted (see
         :func:`~numpyro_tempering.partition_function.flag_untrusted`); all ``False`` without
-        diagnostics (a given closed form)."""
+        diagnostics (a given closed form). The estimator's own flags are used when stored
+        (``untrusted``)."""
+        if self.untrusted is not None and _concrete(self.untrusted):
+            return np.asarray(self.untrusted, bool)
         if self.ess is None or not _concrete(self.ess, self.pareto_k):
             return np.zeros(self.num_temperatures, bool)
         return flag_untrusted(self.ess, self.pareto_k, self.num_samples)
@@ -354,7 +399,7 @@ class Ladder:
         self.require_log_partition()
         dtype = jnp.result_type(float) if dtype is None else dtype
         inv_t = jnp.asarray(self.inverse_temperatures, dtype)
-        log_pi = jnp.asarray(self.log_weights, dtype)
+        log_pi = jnp.asarray(self.log_prior, dtype)
         return inv_t, log_pi, jnp.asarray(self.log_c, dtype)
 
     def require_log_partition(self) -> None:
@@ -448,6 +493,7 @@ class Ladder:
         model: Callable,
         rng_key: jax.Array,
         *args: Any,
+        method: str = "smc",
         num_samples: int = 100,
         num_inner: int = 1,
         plate: str | None = None,
@@ -457,13 +503,16 @@ class Ladder:
         joint: bool = False,
         batch_size: int | None = None,
         fallback: Fallback = None,
+        num_particles: int = 256,
+        num_replicates: int = 4,
+        num_mcmc_steps: int = 4,
         **kwargs: Any,
     ) -> Ladder:
         """A copy holding log C estimated by
-        :func:`~numpyro_tempering.partition_function.log_partition` (same arguments; it warns
-        about untrusted temperatures), with its standard error, effective sample size,
-        Pareto :math:`\\hat k`, the model sizes and, with ``plate`` on the full plate, the
-        per-element log c_n.
+        :func:`~numpyro_tempering.partition_function.log_partition` (same arguments,
+        default ``method="smc"``; it warns about untrusted temperatures), with its standard
+        error, effective sample size, SMC stages or Pareto :math:`\\hat k`, its flags, the
+        model sizes and, with ``plate`` on the full plate, the per-element log c_n.
 
         The tempering selection (``sites``/``latent``/``exclude``/``joint``) must be the one
         the objective or handler will use; the tempered site names are part of the sizes.
@@ -473,6 +522,7 @@ class Ladder:
             model,
             self.temperatures,
             *args,
+            method=method,
             num_samples=num_samples,
             num_inner=num_inner,
             plate=plate,
@@ -482,13 +532,21 @@ class Ladder:
             joint=joint,
             batch_size=batch_size,
             fallback=fallback,
+            num_particles=num_particles,
+            num_replicates=num_replicates,
+            num_mcmc_steps=num_mcmc_steps,
             **kwargs,
         )
         bad = np.asarray(est.num_nonfinite)
         if np.any(bad):
             temps = np.asarray(self.temperatures)
+            what = (
+                f"{est.replicate_log_c.shape[0]} SMC replicates"
+                if est.method == "smc"
+                else f"{est.num_samples} outer draws"
+            )
             raise ValueError(
-                f"log C estimate: {bad[bad > 0].tolist()} of {num_samples} outer draws were "
+                f"log C estimate: {bad[bad > 0].tolist()} of {what} were "
                 f"non-finite (NaN or +inf) at temperatures {temps[bad > 0].tolist()}."
             )
         elements = est.element_log_c
@@ -503,18 +561,21 @@ class Ladder:
             num_samples=est.num_samples,
             element_log_c=None if elements is None else np.asarray(elements),
             plate=est.plate,
+            untrusted=est.flagged,
+            num_stages=None if est.num_stages is None else np.asarray(est.num_stages),
+            method=est.method,
         )
 
     # -- display --------------------------------------------------------------------------
     def summary(self) -> str:
-        """A table, one row per temperature: T, weight, log C, stderr, ESS, Pareto k and
-        whether the estimate is flagged as untrusted.
+        """A table, one row per temperature: T, weight, log C, stderr, ESS, number of SMC
+        stages, Pareto k and whether the estimate is flagged as untrusted.
 
         Example:
             >>> print(Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.5]).summary())
-                   T   weight        log_c   stderr      ess  pareto_k  flagged
-                   1      0.5            0        -        -         -       no
-                   2      0.5          1.5        -        -         -       no
+                   T   weight        log_c   stderr      ess   stages  pareto_k  flagged
+                   1      0.5            0        -        -        -         -       no
+                   2      0.5          1.5        -        -        -         -       no
         """
         m = self.num_temperatures
 
@@ -530,15 +591,16 @@ class Ladder:
             column(self.log_c, ".6g"),
             column(self.stderr, ".3g"),
             column(self.ess, ".4g"),
+            column(self.num_stages, ".3g"),
             column(self.pareto_k, ".2f"),
             flagged,
             strict=True,
         )
-        head = f"{'T':>8} {'weight':>8} {'log_c':>12} {'stderr':>8} {'ess':>8} "
+        head = f"{'T':>8} {'weight':>8} {'log_c':>12} {'stderr':>8} {'ess':>8} {'stages':>8} "
         head += f"{'pareto_k':>9} {'flagged':>8}"
         rows = [
-            f"{t:>8} {w:>8} {c:>12} {s:>8} {e:>8} {k:>9} {f:>8}"
-            for t, w, c, s, e, k, f in cols
+            f"{t:>8} {w:>8} {c:>12} {s:>8} {e:>8} {n:>8} {k:>9} {f:>8}"
+            for t, w, c, s, e, n, k, f in cols
         ]
         return "\n".join([head, *rows])
 
@@ -551,7 +613,9 @@ class Ladder:
             parts.append("log_c=None")
         else:
             parts.append(f"log_c={_array_repr(self.log_c)}")
-            for name in ("stderr", "ess", "pareto_k"):
+            if self.method is not None:
+                parts.append(f"method={self.method!r}")
+            for name in ("stderr", "ess", "num_stages", "pareto_k"):
                 value = getattr(self, name)
                 if value is not None:
                     parts.append(f"{name}={_array_repr(value)}")

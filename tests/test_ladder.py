@@ -27,7 +27,9 @@ def test_paper_default_ladder():
     assert lad.num_temperatures == 100 and t[0] == 1.0 and t[-1] == 10.0
     np.testing.assert_allclose(t[1:] / t[:-1], 10.0 ** (1 / 99), rtol=1e-12)
     np.testing.assert_allclose(lad.weights, 0.01)
-    np.testing.assert_allclose(lad.log_weights, np.log(0.01))
+    np.testing.assert_allclose(lad.log_prior, np.log(0.01))
+    with pytest.warns(DeprecationWarning, match="use Ladder.log_prior"):
+        np.testing.assert_allclose(lad.log_weights, lad.log_prior)
     np.testing.assert_allclose(lad.inverse_temperatures, 1 / t)
     assert not lad.has_log_partition and lad.log_c is None and lad.sizes is None
 
@@ -127,7 +129,7 @@ def test_with_log_partition_refuses_nonfinite_draws():
 
     with pytest.raises(ValueError, match="outer draws were non-finite"):
         Ladder([1.0, 2.0]).with_log_partition(
-            bad, KEY, jnp.zeros(2), exclude="penalty", num_samples=16
+            bad, KEY, jnp.zeros(2), exclude="penalty", num_samples=16, method="prior"
         )
 
 
@@ -157,7 +159,9 @@ def scale_model(x):  # the per-element normaliser depends on the global s: MC ov
 
 def test_ladder_keeps_and_shows_the_diagnostics_of_an_untrusted_estimate():
     with pytest.warns(UserWarning, match=r"cannot be trusted at T = \[.*10\.0\]"):
-        lad = Ladder([1.0, 2.0, 10.0]).with_log_partition(scale_model, KEY, jnp.zeros(200))
+        lad = Ladder([1.0, 2.0, 10.0]).with_log_partition(
+            scale_model, KEY, jnp.zeros(200), method="prior"
+        )
     assert lad.num_samples == 100 and lad.ess[0] == pytest.approx(100.0)
     assert np.all(lad.ess[1:] < 2) and np.all(lad.pareto_k[1:] > 0.7)
     assert lad.flagged.tolist() == [False, True, True]
@@ -165,7 +169,9 @@ def test_ladder_keeps_and_shows_the_diagnostics_of_an_untrusted_estimate():
     assert "stderr=[" in text and "ess=[" in text and "pareto_k=[" in text
     assert "UNTRUSTED at T=[ 2., 10.]" in text
     table = lad.summary().splitlines()
-    assert table[0].split() == ["T", "weight", "log_c", "stderr", "ess", "pareto_k", "flagged"]
+    assert table[0].split() == [
+        "T", "weight", "log_c", "stderr", "ess", "stages", "pareto_k", "flagged"
+    ]
     assert [row.split()[-1] for row in table[1:]] == ["no", "YES", "YES"]
     # pytree: the diagnostics travel with the ladder
     back = jax.tree.unflatten(*reversed(jax.tree.flatten(lad)))

@@ -79,7 +79,8 @@ def test_normal_known_scale_is_exact_with_zero_error():
 
 def test_normal_unknown_scale_agrees_within_standard_error():
     est = log_partition(
-        KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=4000, plate="data"
+        KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=4000, plate="data",
+        method="prior",
     )
     exact = normal_scale_log_c(TEMPS)
     within_se(est, exact)
@@ -92,8 +93,9 @@ def test_normal_unknown_scale_agrees_within_standard_error():
 
 @pytest.mark.filterwarnings("ignore:log_partition. the Monte Carlo estimate")
 def test_log_c_does_not_depend_on_data_values():
-    a = log_partition(KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=64)
-    b = log_partition(KEY, normal_scale_model, TEMPS, jnp.arange(N_NORMAL) * 3.0, num_samples=64)
+    kw = dict(num_samples=64, method="prior")
+    a = log_partition(KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), **kw)
+    b = log_partition(KEY, normal_scale_model, TEMPS, jnp.arange(N_NORMAL) * 3.0, **kw)
     np.testing.assert_array_equal(a.log_c, b.log_c)
 
 
@@ -137,7 +139,7 @@ def bb_log_mean(T, n=N_BB):  # N log E[p^a + (1-p)^a]
 @pytest.fixture(scope="module")
 def bb_estimates():
     x = jnp.zeros(N_BB)
-    est = log_partition(KEY, bb_model, TEMPS, x, num_samples=3000, plate="data")
+    est = log_partition(KEY, bb_model, TEMPS, x, num_samples=3000, plate="data", method="prior")
     bounds = jensen_bounds(KEY, bb_model, TEMPS, x, num_samples=3000, plate="data")
     return est, bounds
 
@@ -222,6 +224,7 @@ def test_discrete_model_agrees_with_brute_force(plate, num_inner):
         plate=plate,
         num_samples=2000,
         num_inner=num_inner,
+        method="prior",
     )
     within_se(est, exact)
     assert float(est.log_c[0]) == pytest.approx(0.0, abs=1e-5)
@@ -324,7 +327,9 @@ def test_nonfinite_draws_are_counted_not_dropped():
         with numpyro.plate("data", x.shape[0]):
             numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
 
-    est = log_partition(KEY, model, TEMPS, jnp.zeros(3), exclude="penalty", num_samples=200)
+    est = log_partition(
+        KEY, model, TEMPS, jnp.zeros(3), exclude="penalty", num_samples=200, method="prior"
+    )
     bad = np.asarray(est.num_nonfinite)
     assert np.all(bad > 50) and np.all(bad < 150) and np.all(bad == bad[0])
     assert np.all(np.isnan(np.asarray(est.log_c)))
@@ -339,7 +344,10 @@ def test_untempered_factor_is_an_importance_weight():
         with numpyro.plate("data", x.shape[0]):
             numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
 
-    est = log_partition(KEY, model, TEMPS, jnp.zeros(N_NORMAL), exclude="penalty", num_samples=4000)
+    est = log_partition(
+        KEY, model, TEMPS, jnp.zeros(N_NORMAL), exclude="penalty", num_samples=4000,
+        method="prior",
+    )
     within_se(est, normal_log_c(TEMPS) - 0.5 * math.log(2.0))
 
 
@@ -373,7 +381,9 @@ def test_untrustworthy_estimate_is_flagged_and_warned_about():
     temps = np.array([1.0, 10.0])
     exact = normal_scale_log_c(temps, n=200)
     with pytest.warns(UserWarning, match=r"cannot be trusted at T = \[10\.0\]") as record:
-        est = log_partition(KEY, normal_scale_model, temps, jnp.zeros(200), num_samples=100)
+        est = log_partition(
+            KEY, normal_scale_model, temps, jnp.zeros(200), num_samples=100, method="prior"
+        )
     assert "effective sample size" in str(record[0].message)
     err = np.abs(np.asarray(est.log_c) - exact)
     assert err[1] > 100 and float(est.stderr[1]) < 2  # the failure mode, reproduced
@@ -386,7 +396,8 @@ def test_trustworthy_estimate_is_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         est = log_partition(
-            KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=2000, plate="data"
+            KEY, normal_scale_model, TEMPS, jnp.zeros(N_NORMAL), num_samples=2000, plate="data",
+            method="prior",
         )
     assert not est.flagged.any()
     assert np.all(np.asarray(est.pareto_k)[1:] < 0.5)
@@ -426,7 +437,7 @@ def narrow_mixture_model(x):
 def test_mixture_likelihood_has_log_c_zero_at_one():
     temps = jnp.array([1.0, 2.0])
     est = log_partition(KEY, narrow_mixture_model, temps, jnp.zeros(40), plate="data",
-                        num_samples=10, fallback="quadrature")
+                        num_samples=10, fallback="quadrature", method="prior")
     assert abs(float(est.log_c[0])) < 1e-3
     # separated components: per element log sum_k (1/3)^(1/T) Z_k(T), the joint closed form
     z = 0.5 * (1 - 1 / 2.0) * np.log(2 * np.pi * 0.003**2) + 0.5 * np.log(2.0)
@@ -543,7 +554,7 @@ def test_joint_tempering_of_a_mixture_is_exact():
         joint_mixture_log_c(TEMPS, 1)[:, None], 6, axis=1), rtol=1e-5, atol=1e-5)
     # tempering the marginal instead is a different normaliser (quadrature, random in loc)
     marginal = log_partition(KEY, mixture_model, TEMPS, jnp.zeros(6), plate="data",
-                             num_samples=20)
+                             num_samples=20, method="prior")
     assert abs(float(marginal.log_c[0])) < 1e-4
     assert np.all(np.abs(np.asarray(marginal.log_c - est.log_c))[1:] > 0.1)
     assert model_sizes(mixture_model, jnp.zeros(6), joint=True) == est.sizes

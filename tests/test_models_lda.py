@@ -106,7 +106,7 @@ def test_log_partition_per_word_and_per_count_agree(corpus):
     kw = dict(num_samples=50, plate="docs")
     words = log_partition(jax.random.PRNGKey(1), lda.model, temps, corpus.words, K, V, **kw)
     counts = log_partition(jax.random.PRNGKey(1), lda.multinomial_model, temps, corpus.counts,
-                           K, **kw)
+                           K, doc_length=L, **kw)  # counts are traced inside log_partition
     np.testing.assert_allclose(np.asarray(words.log_c), np.asarray(counts.log_c), rtol=1e-4,
                                atol=1e-4)
     assert abs(float(words.log_c[0])) < 1e-4  # C(1) = 1

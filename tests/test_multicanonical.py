@@ -465,7 +465,9 @@ def test_a_flagged_ladder_is_warned_about():
             numpyro.sample("x", dist.Normal(0.0, s), obs=x)
 
     with pytest.warns(UserWarning, match="cannot be trusted"):
-        flagged = Ladder([1.0, 10.0]).with_log_partition(scale_model, KEY, jnp.zeros(200))
+        flagged = Ladder([1.0, 10.0]).with_log_partition(
+            scale_model, KEY, jnp.zeros(200), method="prior"
+        )
     with pytest.warns(UserWarning, match=r"MulticanonicalELBO: .* untrusted at T = \[10.0\]"):
         MulticanonicalELBO(flagged)
     with pytest.warns(UserWarning, match=r"multicanonical: .* untrusted at T = \[10.0\]"):

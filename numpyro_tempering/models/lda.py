@@ -30,6 +30,10 @@ What this module provides
   multicanonical VI use :func:`model` (whose tempering and log C agree).
 * :func:`document_log_normalizer`: supplement eq. 6 raised to the document length, for given
   :math:`\theta, \beta`.
+* :func:`corpus_model`: :func:`model`'s density on a sparse corpus (documents of any length
+  as padded ``(index, count)`` arrays, :class:`~numpyro_tempering.models.corpora.Corpus`),
+  with the observed site ``words`` a :class:`WordCounts` distribution: what the black-box
+  route (:mod:`numpyro_tempering.models.lda_blackbox`) fits with stock NumPyro SVI.
 
 Cost: the per-word model evaluates :math:`\theta_d^\top\beta` once per document (``D K V``)
 and gathers the L observed words; its log C per temperature costs ``D V`` (the Categorical
@@ -51,6 +55,8 @@ from numpyro.util import not_jax_tracer
 
 __all__ = [
     "LDAData",
+    "WordCounts",
+    "corpus_model",
     "document_log_normalizer",
     "make_corpus",
     "model",
@@ -277,3 +283,95 @@ def document_log_normalizer(
     log_p = jnp.log(jnp.matmul(jnp.asarray(theta), jnp.asarray(beta)))
     t = jnp.asarray(temperature, log_p.dtype)
     return doc_length * logsumexp(log_p / t[..., None], axis=-1)
+
+
+class WordCounts(dist.Distribution):
+    r"""The collapsed word likelihood of a document given as ``(index, count)`` pairs.
+
+    ``probs`` (..., W): :math:`p_{dw} = \sum_k\theta_{dk}\beta_{k v_w}`, the probability of
+    each listed word :math:`v_w`; the value is the counts :math:`n_{dw}` (..., W) (padding:
+    count 0). The log density is that of the document's words in a fixed order,
+
+    .. math::
+
+        \log p(w_d \mid \theta_d, \beta) = \textstyle\sum_w n_{dw} \log p_{dw},
+
+    i.e. :func:`model`'s per-word Categorical likelihood (supplement eq. 5) summed over the
+    document's tokens, without the multinomial coefficient. Tempering it (``temper``) divides
+    it by T, as tempering every word of :func:`model` does. Sampling is not supported (the
+    distribution only knows the listed words).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> d = WordCounts(jnp.array([0.5, 0.25, 0.1]))
+        >>> round(float(d.log_prob(jnp.array([2.0, 1.0, 0.0]))), 4)  # 2 log 1/2 + log 1/4
+        -2.7726
+    """
+
+    arg_constraints = {"probs": dist.constraints.unit_interval}
+    support = dist.constraints.independent(dist.constraints.nonnegative, 1)
+
+    def __init__(self, probs: jax.Array, *, validate_args: bool | None = None) -> None:
+        self.probs = jnp.asarray(probs)
+        super().__init__(batch_shape=self.probs.shape[:-1], event_shape=self.probs.shape[-1:],
+                         validate_args=validate_args)
+
+    def sample(self, key, sample_shape=()):
+        raise NotImplementedError(
+            "WordCounts cannot be sampled: it only knows the listed words' probabilities; "
+            "simulate documents with make_corpus or corpora.synthetic.")
+
+    def log_prob(self, value: jax.Array) -> jax.Array:
+        value = jnp.asarray(value, self.probs.dtype)
+        safe = jnp.where(value > 0, self.probs, 1.0)
+        return jnp.sum(jnp.where(value > 0, value * jnp.log(safe), 0.0), axis=-1)
+
+
+def corpus_model(
+    ids: jax.typing.ArrayLike,
+    counts: jax.typing.ArrayLike,
+    *,
+    num_topics: int,
+    vocab_size: int,
+    alpha: float | None = None,
+    eta: float | None = None,
+    subsample_size: int | None = None,
+) -> None:
+    r"""Collapsed LDA (supplement eq. 5) on a sparse corpus: :func:`model`'s density.
+
+    Args:
+        ids, counts: ``(D, W)`` distinct word indices of each document and their counts,
+            padded with count 0 (``Corpus.ids``, ``Corpus.counts``): documents of any length,
+            never a dense ``D x V`` matrix.
+        num_topics, vocab_size: K and V (keyword-only: bind them with ``functools.partial``,
+            they fix shapes).
+        alpha, eta: Dirichlet concentrations (default 1/K).
+        subsample_size: documents per minibatch (``plate("docs", D, subsample_size)``).
+
+    Sites: ``beta`` (K, V); in ``plate("docs", dim=-1)``: ``theta`` (B, K) and the observed
+    ``words`` (B, W) (:class:`WordCounts`, probabilities gathered at the listed words only:
+    cost ``B W K``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from numpyro.infer.util import log_density
+        >>> from numpyro_tempering.models import lda
+        >>> beta, theta = jnp.array([[0.5, 0.5, 0.0], [0.0, 0.5, 0.5]]), jnp.array([[1.0, 0.0]])
+        >>> _, tr = log_density(lda.corpus_model, (jnp.array([[0, 1]]), jnp.array([[1, 1]])),
+        ...                     {"num_topics": 2, "vocab_size": 3},
+        ...                     {"beta": beta, "theta": theta})
+        >>> round(float(tr["words"]["fn"].log_prob(tr["words"]["value"]).sum()), 4)  # 2 log 1/2
+        -1.3863
+    """
+    ids = jnp.asarray(ids)
+    if ids.ndim != 2 or jnp.shape(counts) != ids.shape:
+        raise ValueError(f"`ids` and `counts` must have the same shape (num_docs, W), got "
+                         f"{ids.shape} and {jnp.shape(counts)}.")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise ValueError(f"`ids` must be integer word indices, got dtype {ids.dtype}.")
+    beta, theta_prior = _priors(num_topics, vocab_size, alpha, eta)
+    with numpyro.plate("docs", ids.shape[0], subsample_size=subsample_size, dim=-1) as idx:
+        theta = numpyro.sample("theta", theta_prior)  # (B, K)
+        doc_ids = ids[idx]
+        probs = jnp.einsum("bk,kbw->bw", theta, jnp.take(beta, doc_ids, axis=1))
+        numpyro.sample("words", WordCounts(probs), obs=jnp.asarray(counts)[idx])

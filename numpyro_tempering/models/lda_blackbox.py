@@ -1,0 +1,383 @@
+r"""Black-box LDA: stock NumPyro ``SVI`` on collapsed LDA with any guide, plain, annealed or
+multicanonical.
+
+The model is :func:`numpyro_tempering.models.lda.corpus_model`, collapsed LDA with the
+topic assignments summed out (Mandt et al. 2016, supplement eq. 5), on a sparse corpus
+(documents as padded ``(index, count)`` arrays, minibatches by ``plate("docs",
+subsample_size=B)``). Unlike the conjugate route (:mod:`~numpyro_tempering.models.lda_svi`,
+closed-form updates), the guide here is arbitrary and fitted by reparameterised Monte Carlo
+gradients of the (tempered) ELBO with Adam. Every guide puts
+:math:`q(\beta_k) = \mathrm{Dir}(\lambda_k)` on the topics (param ``lam`` (K, V)), so the
+fitted topics are scored by the same document-completion function as every other method
+(:func:`~numpyro_tempering.models.lda_svi.heldout_log_likelihood` on ``lam``), and one of
+three families on the proportions :math:`\theta_d`:
+
+* ``"dirichlet"``: mean field, :math:`q(\theta_d) = \mathrm{Dir}(\gamma_d)`, one free
+  :math:`\gamma_d` per document (param ``gamma`` (D, K));
+* ``"logistic_normal"``: :math:`\theta_d = \mathrm{softmax}([u_d, 0])`,
+  :math:`u_d \sim \mathcal N(\mu_d, \mathrm{diag}\,\sigma_d^2)` (params ``loc``, ``scale``
+  (D, K-1); :class:`numpyro_tempering.guides.LogisticNormal`);
+* ``"amortised"``: the encoder of LDA as a VAE (lda-amortized-inference, section 5.1.1):
+  :math:`\gamma_d = \mathrm{MLP}(w_d)`, :math:`q(\theta_d) = \mathrm{Dir}(\gamma_d)`, one
+  network for all documents (:func:`encoder_apply`, plain JAX; params ``enc_*``).
+
+Temperatures (``temperature=`` of :func:`fit`): a number T (``TemperedELBO(temperature=T)``;
+T = 1 is plain SVI, where the loss equals ``Trace_ELBO``'s), a schedule ``step -> T``
+(annealing: ``SVI(temper(model, schedule), ..., TemperedELBO())``, Mandt et al. 2016,
+eq. 7), or a :class:`~numpyro_tempering.Ladder` (MVI: ``MulticanonicalELBO(ladder,
+plate="docs")``, a temperature per document with :math:`q(y_d)` by eq. 18, and the
+per-document :math:`\log c_d(T_m)` of the collapsed word likelihood from the supplement's
+route, eq. 6-7, :func:`mvi_ladder`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import optax
+from jax import random
+from numpyro.infer import SVI
+
+from numpyro_tempering import schedules
+from numpyro_tempering.guides import LogisticNormal
+from numpyro_tempering.handlers import temper
+from numpyro_tempering.ladder import UNCHECKED, Ladder
+from numpyro_tempering.models import lda, lda_svi
+from numpyro_tempering.models.corpora import Corpus
+from numpyro_tempering.objectives import MulticanonicalELBO, TemperedELBO
+
+__all__ = [
+    "GUIDES",
+    "BlackBoxResult",
+    "encoder_apply",
+    "encoder_init",
+    "fit",
+    "make_guide",
+    "make_model",
+    "mvi_ladder",
+]
+
+#: The families on the topic proportions.
+GUIDES = ("dirichlet", "logistic_normal", "amortised")
+_FLOOR = 1e-3  # smallest Dirichlet concentration the encoder emits
+_ENCODER_PARAMS = ("enc_b1", "enc_b2", "enc_w1", "enc_w2")
+
+
+def encoder_init(
+    key: jax.Array, vocab_size: int, num_topics: int, hidden: int = 100, dtype: Any = None
+) -> dict[str, jax.Array]:
+    """Parameters of the amortised encoder (:func:`encoder_apply`): ``enc_w1`` (V, H),
+    ``enc_b1`` (H,), ``enc_w2`` (H, K), ``enc_b2`` (K,); Gaussian weights (standard
+    deviation 0.1 for the first layer, :math:`1/\\sqrt H` for the second), zero biases.
+
+    Example:
+        >>> p = encoder_init(jax.random.PRNGKey(0), 30, 4, hidden=8)
+        >>> {k: v.shape for k, v in sorted(p.items())}
+        {'enc_b1': (8,), 'enc_b2': (4,), 'enc_w1': (30, 8), 'enc_w2': (8, 4)}
+    """
+    dtype = jnp.result_type(float) if dtype is None else dtype
+    k1, k2 = random.split(key)
+    return {
+        "enc_w1": 0.1 * random.normal(k1, (vocab_size, hidden), dtype),
+        "enc_b1": jnp.zeros((hidden,), dtype),
+        "enc_w2": random.normal(k2, (hidden, num_topics), dtype) / math.sqrt(hidden),
+        "enc_b2": jnp.zeros((num_topics,), dtype),
+    }
+
+
+def encoder_apply(
+    params: dict[str, jax.Array], ids: jax.typing.ArrayLike, counts: jax.typing.ArrayLike
+) -> jax.Array:
+    r"""Dirichlet concentrations :math:`\gamma_d = \mathrm{MLP}(w_d)` (lda-amortized-inference,
+    section 5.1.1) for documents as padded ``(index, count)`` rows (B, W):
+
+    .. math::
+
+        h_d = \mathrm{softplus}\big(\textstyle\sum_w \log(1 + n_{dw})\,W_1[v_w] + b_1\big),
+        \qquad \gamma_d = \mathrm{softplus}(h_d W_2 + b_2) + 10^{-3},
+
+    the first layer a sparse product (rows of :math:`W_1` gathered at the listed words, never
+    a dense bag of words). Returns (B, K), every entry :math:`\ge 10^{-3}`.
+
+    Example:
+        >>> p = encoder_init(jax.random.PRNGKey(0), 30, 4, hidden=8)
+        >>> g = encoder_apply(p, jnp.array([[1, 5, 0]]), jnp.array([[2, 1, 0]]))
+        >>> g.shape, bool(jnp.all(g > 0))
+        ((1, 4), True)
+    """
+    w1 = params["enc_w1"]
+    x = jnp.log1p(jnp.asarray(counts, w1.dtype))  # padding: log 1 = 0
+    h = jax.nn.softplus(jnp.einsum("bw,bwh->bh", x, jnp.take(w1, jnp.asarray(ids), axis=0))
+                        + params["enc_b1"])
+    return jax.nn.softplus(h @ params["enc_w2"] + params["enc_b2"]) + _FLOOR
+
+
+def make_model(
+    num_topics: int,
+    vocab_size: int,
+    *,
+    alpha: float | None = None,
+    eta: float | None = None,
+    subsample_size: int | None = None,
+) -> Callable:
+    """:func:`~numpyro_tempering.models.lda.corpus_model` with its static settings bound:
+    ``model(ids, counts)``.
+
+    Example:
+        >>> from numpyro.infer.util import log_density
+        >>> m = make_model(2, 3)
+        >>> lp, _ = log_density(m, (jnp.array([[0]]), jnp.array([[1]])), {},
+        ...                     {"beta": jnp.array([[0.5, 0.3, 0.2], [0.1, 0.5, 0.4]]),
+        ...                      "theta": jnp.array([[0.9, 0.1]])})
+        >>> bool(jnp.isfinite(lp))
+        True
+    """
+    return partial(lda.corpus_model, num_topics=num_topics, vocab_size=vocab_size,
+                   alpha=alpha, eta=eta, subsample_size=subsample_size)
+
+
+def make_guide(
+    kind: str,
+    num_topics: int,
+    vocab_size: int,
+    *,
+    subsample_size: int | None = None,
+    hidden: int = 100,
+) -> Callable:
+    r"""A guide ``guide(ids, counts)`` for :func:`make_model`: :math:`q(\beta_k) =
+    \mathrm{Dir}(\lambda_k)` (param ``lam``, initialised
+    :math:`\exp\{\mathcal N(0, 0.1^2)\}`, about online VB's
+    :math:`\mathrm{Gamma}(100, 0.01)`) and ``kind`` in :data:`GUIDES` on :math:`\theta_d`
+    (see the module docstring). ``subsample_size`` must be the model's.
+
+    Example:
+        >>> from numpyro import handlers
+        >>> guide = make_guide("amortised", 2, 3, hidden=4)
+        >>> values = {"beta": jnp.full((2, 3), 1 / 3), "theta": jnp.full((1, 2), 0.5)}
+        >>> tr = handlers.trace(handlers.substitute(handlers.seed(guide, 0), values)).get_trace(
+        ...     jnp.array([[0, 2]]), jnp.array([[3, 1]]))
+        >>> sorted(n for n, site in tr.items() if site["type"] == "param")
+        ['enc_b1', 'enc_b2', 'enc_w1', 'enc_w2', 'lam']
+    """
+    if kind not in GUIDES:
+        raise ValueError(f"`guide` must be one of {GUIDES}, got {kind!r}.")
+    k, v = int(num_topics), int(vocab_size)
+
+    def guide(ids, counts):
+        ids = jnp.asarray(ids)
+        num_docs = ids.shape[0]
+        lam = numpyro.param("lam", lambda key: jnp.exp(0.1 * random.normal(key, (k, v))),
+                            constraint=dist.constraints.positive)
+        numpyro.sample("beta", dist.Dirichlet(lam).to_event(1))
+        if kind == "dirichlet":
+            gamma = numpyro.param("gamma", jnp.ones((num_docs, k)),
+                                  constraint=dist.constraints.positive)
+        elif kind == "logistic_normal":
+            loc = numpyro.param("loc", jnp.zeros((num_docs, k - 1)))
+            scale = numpyro.param("scale", jnp.full((num_docs, k - 1), 0.5),
+                                  constraint=dist.constraints.positive)
+        else:
+            enc = {name: numpyro.param(name, lambda key, name=name: encoder_init(
+                key, v, k, hidden)[name]) for name in _ENCODER_PARAMS}
+        with numpyro.plate("docs", num_docs, subsample_size=subsample_size, dim=-1) as idx:
+            if kind == "dirichlet":
+                numpyro.sample("theta", dist.Dirichlet(gamma[idx]))
+            elif kind == "logistic_normal":
+                numpyro.sample("theta", LogisticNormal(loc[idx], scale[idx]))
+            else:
+                numpyro.sample("theta", dist.Dirichlet(
+                    encoder_apply(enc, ids[idx], jnp.asarray(counts)[idx])))
+
+    return guide
+
+
+def mvi_ladder(
+    ladder: Ladder,
+    corpus: Corpus,
+    num_topics: int,
+    *,
+    seed: int = 0,
+    alpha: float | None = None,
+    eta: float | None = None,
+    **kwargs: Any,
+) -> Ladder:
+    r"""``ladder`` with the per-document :math:`\log c_d(T_m)` of the collapsed word
+    likelihood of ``corpus`` (plate ``"docs"``): the supplement's route, eq. 6-7
+    (:func:`~numpyro_tempering.models.lda_svi.document_log_partition` with
+    ``form="collapsed"``, the normaliser of :class:`~numpyro_tempering.models.lda.WordCounts`
+    raised to :math:`1/T`), by document length. A Monte Carlo estimate from prior draws,
+    biased low for long documents (docs/lda.md); ``sizes=UNCHECKED``: the values are
+    for this corpus only. ``kwargs`` go to ``document_log_partition``.
+
+    Example:
+        >>> from numpyro_tempering.models import corpora
+        >>> data, _ = corpora.synthetic(0, 5, 10, 2, 8)
+        >>> lad = mvi_ladder(Ladder([1.0, 2.0]), data, 2)
+        >>> lad.element_log_c.shape, lad.plate
+        ((2, 5), 'docs')
+    """
+    log_c = lda_svi.document_log_partition(seed, ladder.temperatures, num_topics,
+                                           corpus.vocab_size, alpha=alpha, eta=eta,
+                                           form="collapsed", **kwargs)
+    elements = np.asarray(log_c(corpus.lengths)).T  # (M, D)
+    return ladder.with_log_partition_values(element_log_c=elements, plate="docs",
+                                            sizes=UNCHECKED)
+
+
+class BlackBoxResult(NamedTuple):
+    """A black-box fit: ``lam`` (K, V) the topics' Dirichlet parameters (NaN if the fit
+    went non-finite); ``params`` every guide parameter; ``losses`` (steps,) the SVI loss per
+    update (minibatch estimates); ``temperatures`` (steps,) T per update (MVI: the
+    minibatch mean of :math:`\\mathbb E_{q(y_d)}[T]`, evaluated after each update);
+    ``seconds`` (updates, compilation excluded), ``compile_seconds``, ``num_steps``,
+    ``docs_per_second``, ``num_nonfinite`` (updates whose loss was not finite)."""
+
+    lam: np.ndarray
+    params: dict
+    losses: np.ndarray
+    temperatures: np.ndarray
+    seconds: float
+    compile_seconds: float
+    num_steps: int
+    docs_per_second: float
+    num_nonfinite: int
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="batch", desc="black-box LDA")
+
+
+def fit(
+    corpus: Corpus,
+    num_topics: int,
+    *,
+    guide: str = "dirichlet",
+    passes: float = 1.0,
+    batch_size: int = 100,
+    temperature: float | Callable | Ladder = 1.0,
+    learning_rate: float = 0.05,
+    num_particles: int = 1,
+    hidden: int = 100,
+    alpha: float | None = None,
+    eta: float | None = None,
+    seed: int = 0,
+    progress_bar: bool = False,
+) -> BlackBoxResult:
+    r"""Fit collapsed LDA with stock NumPyro ``SVI`` and Adam (``optax.adam(learning_rate)``).
+
+    Args:
+        corpus: training documents.
+        num_topics: K.
+        guide: a family of :data:`GUIDES`.
+        passes: ``ceil(passes * D / batch_size)`` updates, each on a random minibatch of
+            ``batch_size`` documents (``plate`` subsampling, without replacement).
+        temperature: T (``TemperedELBO(temperature=T)``), a schedule ``step -> T``
+            (annealing, ``temper(model, schedule)``), or a :class:`~numpyro_tempering.Ladder`
+            (MVI with a temperature per document; a ladder without per-document log C gets
+            :func:`mvi_ladder`'s).
+        learning_rate, num_particles: Adam's step size; Monte Carlo particles per update.
+        hidden: width of the amortised encoder's hidden layer.
+        alpha, eta: Dirichlet concentrations (default 1/K).
+        seed: initialisation, minibatches and Monte Carlo draws.
+        progress_bar: show a tqdm bar.
+
+    The initialisation and the update (``svi.update``) are compiled once per call and timed
+    separately (``compile_seconds``).
+
+    Example (a fit compiles for 10-30 s on a CPU: the reparameterised Dirichlet sampler and
+    its implicit gradient; ``tests/test_lda_blackbox.py`` runs fits):
+
+        >>> from numpyro_tempering.models import corpora
+        >>> data, _ = corpora.synthetic(0, 30, 20, 2, 15)
+        >>> fit(data, 2, guide="gaussian")
+        Traceback (most recent call last):
+        ...
+        ValueError: `guide` must be one of ('dirichlet', ...), got 'gaussian'.
+    """
+    num_docs = corpus.num_docs
+    if int(batch_size) != batch_size or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    batch_size = min(int(batch_size), num_docs)
+    if not (math.isfinite(passes) and passes > 0):
+        raise ValueError(f"`passes` must be a finite number > 0, got {passes!r}.")
+    if not (math.isfinite(learning_rate) and learning_rate > 0):
+        raise ValueError(f"`learning_rate` must be a finite number > 0, got {learning_rate!r}.")
+    if guide not in GUIDES:
+        raise ValueError(f"`guide` must be one of {GUIDES}, got {guide!r}.")
+    num_steps = int(math.ceil(passes * num_docs / batch_size))
+    subsample = None if batch_size == num_docs else batch_size
+    model = make_model(num_topics, corpus.vocab_size, alpha=alpha, eta=eta,
+                       subsample_size=subsample)
+    q = make_guide(guide, num_topics, corpus.vocab_size, subsample_size=subsample,
+                   hidden=hidden)
+    mvi = isinstance(temperature, Ladder)
+    if mvi:
+        ladder = temperature
+        if ladder.element_log_c is None:
+            ladder = mvi_ladder(ladder, corpus, num_topics, seed=1000 + seed, alpha=alpha,
+                                eta=eta)
+        objective = MulticanonicalELBO(ladder, plate="docs", num_particles=num_particles)
+        temps = None
+    elif callable(temperature):
+        schedules.validate(temperature, name="temperature")
+        model = temper(model, temperature)
+        objective = TemperedELBO(num_particles)
+        temps = np.asarray(schedules.trajectory(temperature, num_steps))
+    else:
+        t = float(temperature)
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"`temperature` must be a finite T > 0, a schedule or a Ladder, "
+                             f"got {temperature!r}.")
+        objective = TemperedELBO(num_particles, temperature=t)
+        temps = np.full(num_steps, t)
+    svi = SVI(model, q, optax.adam(learning_rate), objective)
+    ids, counts = jnp.asarray(corpus.ids), jnp.asarray(corpus.counts)
+    key_init, key_post = random.split(random.PRNGKey(seed))
+    start = time.perf_counter()
+    # compiled: eager initialisation runs the Dirichlet sampler op by op (10x slower)
+    state = jax.jit(lambda key: svi.init(key, ids, counts))(key_init)
+    update = jax.jit(svi.update).lower(state, ids, counts).compile()
+    posterior = None
+    if mvi:
+        posterior = jax.jit(lambda params, key: objective.temperature_posterior(
+            key, params, model, q, ids, counts).mean_temperature.mean())
+        posterior(svi.get_params(state), key_post)  # compiled here, not in the timing
+    compile_seconds = time.perf_counter() - start
+
+    bar = _progress(num_steps, progress_bar)
+    losses, mvi_temps = [], []
+    start = time.perf_counter()
+    for step in range(num_steps):
+        state, loss = update(state, ids, counts)
+        losses.append(loss)
+        if posterior is not None:
+            mvi_temps.append(posterior(svi.get_params(state), random.fold_in(key_post, step)))
+        if bar is not None:
+            bar.update(1)
+    params = jax.block_until_ready(svi.get_params(state))
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    losses = np.asarray(jnp.stack(losses))
+    if mvi:
+        temps = np.asarray(jnp.stack(mvi_temps))
+    lam = np.asarray(params["lam"])
+    if not np.all(np.isfinite(lam)):
+        lam = np.full_like(lam, np.nan)  # numerical trouble is NaN, never a finite guess
+    return BlackBoxResult(lam, params, losses, temps, seconds, compile_seconds, num_steps,
+                          num_steps * batch_size / seconds if seconds > 0 else float("inf"),
+                          int(np.sum(~np.isfinite(losses))))
+
