@@ -1255,7 +1255,7 @@ def evidence_bounds(
         posterior_samples: posterior draws for KLpq: a dict of arrays with a leading draw
             axis (or leading (chain, draw) axes), or an InferenceData with a ``posterior``
             group. ``None``: run NUTS on the model (``mcmc_kwargs`` go to
-            :class:`numpyro.infer.MCMC`; defaults 4 vectorized chains, 1000 warm-up steps,
+            :class:`numpyro.infer.MCMC`; defaults 4 vectorised chains, 1000 warm-up steps,
             ``min(num_replicates * max(num_samples), 20000)`` draws in all).
         chunk_size: particles per step of the streaming loop (rounded up to a multiple of
             256, at least 512; smaller when the largest S is smaller). Memory grows with it,

@@ -1,6 +1,6 @@
 r"""Temperature ladders for multicanonical variational inference.
 
-Multicanonical VI (annealed-and-multicanonical-vi, section 2.3, eq. 9-11) makes the
+Multicanonical VI (Mandt et al. 2016, section 2.3, eq. 9-11) makes the
 temperature a latent variable :math:`y \sim \mathrm{Mult}(\pi)` over a finite ladder
 :math:`T_1 = 1 < T_2 < \dots < T_M`; conditional on :math:`y = m` the model is the tempered
 joint normalised by :math:`C(T_m)`. A :class:`Ladder` holds everything that is fixed about
@@ -408,7 +408,7 @@ class Ladder:
             raise ValueError(
                 "this ladder has no log C(T): call ladder.with_log_partition(model, key, "
                 "*args) (or .with_log_partition_values(log_c, sizes=...)) first; "
-                "multicanonical VI needs it (annealed-and-multicanonical-vi eq. 13)."
+                "multicanonical VI needs it (Mandt et al. 2016, eq. 13)."
             )
 
     def require_element_log_partition(self, plate: str) -> None:

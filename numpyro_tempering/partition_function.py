@@ -1,6 +1,6 @@
 r"""Tempered log-partition functions :math:`\log C(T)` of any NumPyro model, over a ladder.
 
-The tempered joint of annealed VI (annealed-and-multicanonical-vi, eq. 4) is
+The tempered joint of annealed VI (Mandt et al. 2016, eq. 4) is
 :math:`p(\beta)\, p(x, z \mid \beta)^{1/T} / C(T)`, with (variational-tempering supplement,
 eq. 1)
 

@@ -1,4 +1,4 @@
-r"""Collapsed latent Dirichlet allocation (LDA), the second model of annealed-and-multicanonical-vi.
+r"""Collapsed latent Dirichlet allocation (LDA), the second model of Mandt et al. 2016.
 
 With the word-topic assignments summed out (variational-tempering supplement, eq. 5), for D
 documents of :math:`L_d` words over a vocabulary of V words and K topics:

@@ -17,7 +17,8 @@ three families on the proportions :math:`\theta_d`:
 * ``"logistic_normal"``: :math:`\theta_d = \mathrm{softmax}([u_d, 0])`,
   :math:`u_d \sim \mathcal N(\mu_d, \mathrm{diag}\,\sigma_d^2)` (params ``loc``, ``scale``
   (D, K-1); :class:`numpyro_tempering.guides.LogisticNormal`);
-* ``"amortised"``: the encoder of LDA as a VAE (lda-amortized-inference, section 5.1.1):
+* ``"amortised"``: an encoder for LDA as a VAE (amortised inference, cf. Srivastava and
+  Sutton 2017):
   :math:`\gamma_d = \mathrm{MLP}(w_d)`, :math:`q(\theta_d) = \mathrm{Dir}(\gamma_d)`, one
   network for all documents (:func:`encoder_apply`, plain JAX; params ``enc_*``).
 
@@ -97,8 +98,8 @@ def encoder_init(
 def encoder_apply(
     params: dict[str, jax.Array], ids: jax.typing.ArrayLike, counts: jax.typing.ArrayLike
 ) -> jax.Array:
-    r"""Dirichlet concentrations :math:`\gamma_d = \mathrm{MLP}(w_d)` (lda-amortized-inference,
-    section 5.1.1) for documents as padded ``(index, count)`` rows (B, W):
+    r"""Dirichlet concentrations :math:`\gamma_d = \mathrm{MLP}(w_d)` (amortised LDA, cf.
+    Srivastava and Sutton 2017) for documents as padded ``(index, count)`` rows (B, W):
 
     .. math::
 
