@@ -92,7 +92,7 @@ def test_log_partition_given_all_latents_is_sum_of_document_normalizers(corpus):
     fixed = substitute(lda.model, data={"beta": beta, "theta": theta[:, None, :]})
     temps = jnp.array([1.0, 2.0, 7.0])
     est = log_partition(jax.random.PRNGKey(0), fixed, temps, corpus.words, K, V,
-                        num_samples=2, plate="docs")
+                        num_samples=2, plate="docs", method="prior")
     expected = [
         float(lda.document_log_normalizer(t, theta, beta, L).sum()) for t in np.asarray(temps)
     ]
@@ -103,7 +103,7 @@ def test_log_partition_given_all_latents_is_sum_of_document_normalizers(corpus):
 def test_log_partition_per_word_and_per_count_agree(corpus):
     """The registry tempers Multinomial per trial, so both forms have the same log C."""
     temps = jnp.array([1.0, 3.0])
-    kw = dict(num_samples=50, plate="docs")
+    kw = dict(num_samples=50, plate="docs", method="prior")  # local theta: the nested MC
     words = log_partition(jax.random.PRNGKey(1), lda.model, temps, corpus.words, K, V, **kw)
     counts = log_partition(jax.random.PRNGKey(1), lda.multinomial_model, temps, corpus.counts,
                            K, doc_length=L, **kw)  # counts are traced inside log_partition
