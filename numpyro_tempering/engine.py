@@ -70,6 +70,7 @@ from numpyro.primitives import _PYRO_STACK, Messenger
 from numpyro.util import _validate_model, check_model_guide_match
 
 from numpyro_tempering.handlers import DEFAULT_CLOCK, TEMPERED, temper
+from numpyro_tempering.structure import plate_not_found, subsample_scale
 
 __all__ = [
     "LogWeights",
@@ -227,15 +228,13 @@ def _element_log_lik(site: dict, log_prob: jax.Array, plate: str) -> jax.Array:
 def _plate_site(model_trace: dict, plate: str) -> dict:
     site = model_trace.get(plate)
     if site is None or site["type"] != "plate":
-        plates = sorted(n for n, s in model_trace.items() if s["type"] == "plate")
-        raise ValueError(f"plate '{plate}' is not in the model; its plates are {plates}.")
+        raise plate_not_found(plate, (n for n, s in model_trace.items() if s["type"] == "plate"))
     return site
 
 
 def _plate_scale(model_trace: dict, plate: str) -> jax.Array:
     site = _plate_site(model_trace, plate)
-    size, subsample = site["args"][0], jnp.shape(site["value"])[0]
-    return jnp.asarray(size / subsample)
+    return subsample_scale(site["args"][0], jnp.shape(site["value"])[0])
 
 
 class _ModelTerms(NamedTuple):

@@ -68,14 +68,10 @@ import numpy as np
 from numpyro.util import not_jax_tracer
 
 from numpyro_tempering.partition import Fallback
-from numpyro_tempering.partition_function import (
-    ModelSizes,
-    Selection,
-    flag_untrusted,
-    log_partition,
-)
+from numpyro_tempering.partition_function import flag_untrusted, log_partition
+from numpyro_tempering.structure import ModelSizes, Selection
 
-__all__ = ["UNCHECKED", "Ladder", "ModelSizes"]
+__all__ = ["UNCHECKED", "Ladder"]
 
 _WEIGHT_TOL = 1e-6
 

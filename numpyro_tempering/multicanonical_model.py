@@ -82,7 +82,7 @@ Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer.util import log_density
     >>> from numpyro_tempering.ladder import Ladder
-    >>> from numpyro_tempering.partition_function import model_sizes
+    >>> from numpyro_tempering.structure import model_sizes
     >>> from numpyro_tempering.multicanonical_model import multicanonical
     >>> def model(x):
     ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -112,7 +112,12 @@ from numpyro.primitives import Messenger
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, JointlyTempered, temper
 from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.partition_function import sizes_from_sites, stale_params_message
+from numpyro_tempering.structure import (
+    plate_not_found,
+    sizes_from_sites,
+    stale_params_message,
+    subsample_scale,
+)
 from numpyro_tempering.temperatures import (
     element_log_partition,
     temperature_posterior,
@@ -257,12 +262,9 @@ class multicanonical(Messenger):
             total = posterior.log_marginal
         else:
             if self.plate not in self._plates:
-                raise ValueError(
-                    f"plate '{self.plate}' is not in the model; its plates are "
-                    f"{sorted(self._plates)}."
-                )
+                raise plate_not_found(self.plate, self._plates)
             size, subsample, indices = self._plates[self.plate]
-            scale = size / subsample
+            scale = subsample_scale(size, subsample)
             elements = sum(
                 jax.vmap(lambda lp, r=r: _element_log_lik(r, lp, self.plate))(lp)
                 for r, lp in zip(self._records, log_probs, strict=True)

@@ -149,7 +149,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -165,6 +164,16 @@ from numpyro.primitives import Messenger
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, temper
 from numpyro_tempering.partition import Fallback, tempered
+from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
+from numpyro_tempering.structure import (
+    Selection,
+    model_params,
+    plate_not_found,
+    sizes_from_trace,
+    stale_params_message,
+    structure_trace,
+)
+from numpyro_tempering.structure import model_sizes as model_sizes
 
 __all__ = [
     "LOG_Z1_TOL",
@@ -172,155 +181,14 @@ __all__ = [
     "MIN_ESS_FRACTION",
     "JensenBounds",
     "LogPartitionEstimate",
-    "ModelSizes",
     "analytic_log_partition",
     "flag_untrusted",
     "jensen_bounds",
     "log_partition",
     "METHODS",
-    "model_sizes",
     "pareto_k",
     "pareto_k_threshold",
 ]
-
-Selection = str | Collection[str] | Callable[[dict], bool] | None
-
-
-# -----------------------------------------------------------------------------------------
-# Model sizes
-# -----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSizes:
-    """The sizes a log-partition function depends on (hashable, comparable).
-
-    Attributes:
-        plates: ``((name, full size), ...)`` for every plate of the model, sorted.
-        sites: ``((name, shape), ...)`` for every tempered site, sorted; ``shape`` is the
-            site's batch + event shape with subsampled plate dimensions restored to the full
-            plate size.
-    """
-
-    plates: tuple[tuple[str, int], ...]
-    sites: tuple[tuple[str, tuple[int, ...]], ...]
-
-    def plate_size(self, name: str) -> int:
-        """Full size of plate ``name`` (``ValueError`` naming the plates if unknown)."""
-        sizes = dict(self.plates)
-        if name not in sizes:
-            raise ValueError(f"plate '{name}' is not in the model; its plates are {sorted(sizes)}.")
-        return sizes[name]
-
-    def check_matches(self, other: ModelSizes, what: str = "the ladder") -> None:
-        """Raise ``ValueError`` describing every difference between ``self`` and ``other``.
-
-        ``self`` is the model being fitted, ``other`` the sizes ``what`` was computed for.
-        """
-        if self == other:
-            return
-        problems = []
-        for label, mine, theirs in (
-            ("plate", dict(self.plates), dict(other.plates)),
-            ("tempered site", dict(self.sites), dict(other.sites)),
-        ):
-            for name in sorted(set(mine) | set(theirs)):
-                a, b = mine.get(name), theirs.get(name)
-                if a != b:
-                    problems.append(
-                        f"{label} '{name}': model has {'none' if a is None else a}, "
-                        f"{what} was computed for {'none' if b is None else b}"
-                    )
-        raise ValueError(
-            f"{what} was computed for a different model size: " + "; ".join(problems) + ". "
-            "Recompute log C for this model (log C depends on the plate sizes and on which "
-            "sites are tempered)."
-        )
-
-
-def _full_shape(fn: Any, frames: list, plates: dict[str, int]) -> tuple[int, ...]:
-    batch = list(fn.batch_shape)
-    for frame in frames:
-        idx = len(batch) + frame.dim
-        if 0 <= idx < len(batch) and frame.name in plates:
-            batch[idx] = plates[frame.name]
-    return tuple(int(b) for b in batch) + tuple(int(e) for e in fn.event_shape)
-
-
-def sizes_from_sites(plates: dict[str, int], sites: list[tuple[str, Any, list]]) -> ModelSizes:
-    """:class:`ModelSizes` from full plate sizes and ``(name, fn, cond_indep_stack)`` triples."""
-    return ModelSizes(
-        plates=tuple(sorted((n, int(s)) for n, s in plates.items())),
-        sites=tuple(sorted((n, _full_shape(fn, frames, plates)) for n, fn, frames in sites)),
-    )
-
-
-def _structure_trace(model: Callable, args: tuple, kwargs: dict) -> dict:
-    """Trace of one prior run, for its structure only (shapes, plates, marks).
-
-    Run under ``jax.eval_shape``: nothing is computed (or compiled); the values in the
-    returned trace are abstract and must not be used.
-    """
-    out: dict = {}
-
-    def run() -> None:
-        out["trace"] = trace(seed(model, 0)).get_trace(*args, **kwargs)
-
-    jax.eval_shape(run)
-    return out["trace"]
-
-
-def _sizes_from_trace(tr: dict) -> ModelSizes:
-    plates = {n: int(s["args"][0]) for n, s in tr.items() if s["type"] == "plate"}
-    sites = [
-        (n, s["fn"], s["cond_indep_stack"])
-        for n, s in tr.items()
-        if s["type"] == "sample" and s["infer"].get(TEMPERED, False)
-    ]
-    return sizes_from_sites(plates, sites)
-
-
-def model_params(tr: dict) -> list[str]:
-    """Names of the ``numpyro.param`` sites of a model trace (sorted)."""
-    return sorted(n for n, s in tr.items() if s["type"] == "param")
-
-
-def stale_params_message(params: list[str], who: str) -> str:
-    """The error for a model whose ``numpyro.param`` sites would make a log C stale."""
-    return (
-        f"{who}: the model has numpyro.param site(s) {params}. log C(T) depends on their "
-        "values, so a log C computed once (a Ladder) is stale as soon as SVI changes them, "
-        "and the multicanonical weights exp(l/T - log C(T)) are then wrong without a word. "
-        "Make them constants or model arguments (log C is then computed for those values), "
-        "or give them a prior (latent sites)."
-    )
-
-
-def model_sizes(
-    model: Callable,
-    *args: Any,
-    sites: Selection = None,
-    latent: str | Collection[str] = (),
-    exclude: str | Collection[str] = (),
-    joint: bool = False,
-    **kwargs: Any,
-) -> ModelSizes:
-    """The :class:`ModelSizes` of ``model`` with the given tempering selection.
-
-    Traces the model once abstractly (``jax.eval_shape``: only shapes are read).
-
-    Example:
-        >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
-        >>> def model(x):
-        ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
-        ...     with numpyro.plate("data", x.shape[0]):
-        ...         numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
-        >>> model_sizes(model, jnp.zeros(3))
-        ModelSizes(plates=(('data', 3),), sites=(('x', (3,)),))
-    """
-    marked = _marked(model, sites, latent, exclude, joint)
-    return _sizes_from_trace(_structure_trace(marked, args, kwargs))
-
 
 # -----------------------------------------------------------------------------------------
 # The sampling handler
@@ -433,7 +301,7 @@ class _Structure(NamedTuple):
 
 def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _Structure:
     """Validate the structure of the marked model and return its sizes and site roles."""
-    tr = _structure_trace(marked, args, kwargs)
+    tr = structure_trace(marked, args, kwargs)
     params = model_params(tr)
     if params:
         raise ValueError(stale_params_message(params, "log C"))
@@ -453,7 +321,7 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
     plates = sorted(n for n, s in tr.items() if s["type"] == "plate")
     if plate is not None:
         if plate not in plates:
-            raise ValueError(f"plate '{plate}' is not in the model; its plates are {plates}.")
+            raise plate_not_found(plate, plates)
         outside = [n for n, s in tempered_sites.items() if not _in_plate(s, plate)]
         if outside:
             raise ValueError(
@@ -462,7 +330,7 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
             )
     is_global = _global_rule(plate)
     return _Structure(
-        sizes=_sizes_from_trace(tr),
+        sizes=sizes_from_trace(tr),
         local_latents=tuple(
             sorted(n for n, s in samples.items() if not s["is_observed"] and not is_global(s))
         ),
@@ -1086,7 +954,7 @@ def _smc_runner(
 
 def _global_sites(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> tuple:
     """(continuous global latent names, discrete global latent names) of the marked model."""
-    tr = _structure_trace(marked, args, kwargs)
+    tr = structure_trace(marked, args, kwargs)
     is_global = _global_rule(plate)
     names = [
         n for n, s in tr.items()
@@ -1185,7 +1053,7 @@ def _smc_estimate(
 
 def _subsampled_plates(marked: Callable, args: tuple, kwargs: dict) -> list[str]:
     """Names of the plates a run visits only a subsample of."""
-    tr = _structure_trace(marked, args, kwargs)
+    tr = structure_trace(marked, args, kwargs)
     return sorted(
         n
         for n, site in tr.items()
@@ -1195,7 +1063,7 @@ def _subsampled_plates(marked: Callable, args: tuple, kwargs: dict) -> list[str]
 
 def _visited_size(marked: Callable, args: tuple, kwargs: dict, plate: str) -> int:
     """Number of elements of ``plate`` a run visits (its subsample size)."""
-    tr = _structure_trace(marked, args, kwargs)
+    tr = structure_trace(marked, args, kwargs)
     return int(jnp.shape(tr[plate]["value"])[0])
 
 

@@ -85,12 +85,12 @@ from numpyro_tempering.engine import LogWeights
 from numpyro_tempering.handlers import temper
 from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.objectives.base import EngineELBO
-from numpyro_tempering.partition_function import (
+from numpyro_tempering.structure import (
     ModelSizes,
-    _sizes_from_trace,
-    _structure_trace,
     model_params,
+    sizes_from_trace,
     stale_params_message,
+    structure_trace,
 )
 
 # the trajectory helpers live in numpyro_tempering.temperatures; importable from here too
@@ -294,8 +294,8 @@ class MulticanonicalELBO(EngineELBO):
             key = None
         if key is not None and key in self._sizes_cache:
             return self._sizes_cache[key]
-        tr = _structure_trace(self.tempered_model(model), args, kwargs)
-        found = (_sizes_from_trace(tr), model_params(tr))
+        tr = structure_trace(self.tempered_model(model), args, kwargs)
+        found = (sizes_from_trace(tr), model_params(tr))
         if key is not None:
             self._sizes_cache[key] = found
         return found
