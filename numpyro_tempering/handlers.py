@@ -81,6 +81,7 @@ from numpyro.primitives import _PYRO_STACK, Messenger, mutable
 from numpyro.util import not_jax_tracer
 
 from numpyro_tempering import schedules as _schedules
+from numpyro_tempering.schedules import check_temperature
 
 try:  # NumPyro >= 0.19: the handler the MCMC potential substitutes unconstrained values with
     from numpyro.infer.util import _unconstrain_params
@@ -115,20 +116,6 @@ def _names(arg: str | Collection[str] | None, what: str) -> frozenset[str]:
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"`{what}` must be site names (strings), got {arg!r}.")
     return names
-
-
-def check_temperature(temperature: Any, name: str = "temperature") -> None:
-    """Raise ``ValueError`` if a concrete temperature is not finite and positive."""
-    if not not_jax_tracer(temperature):
-        return
-    value = np.asarray(temperature)
-    if value.size == 0:
-        raise ValueError(f"`{name}` is empty.")
-    if not np.issubdtype(value.dtype, np.number):
-        raise TypeError(f"`{name}` must be numeric, got dtype {value.dtype}.")
-    if not np.all(np.isfinite(value)) or np.any(value <= 0):
-        bad = value[~(np.isfinite(value) & (value > 0))] if value.ndim else value
-        raise ValueError(f"`{name}` must be finite and > 0, got {bad}.")
 
 
 def inverse_temperature(temperature: Any) -> Any:

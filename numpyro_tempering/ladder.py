@@ -69,6 +69,7 @@ from numpyro.util import not_jax_tracer
 
 from numpyro_tempering.partition import Fallback
 from numpyro_tempering.partition_function import flag_untrusted, log_partition
+from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes, Selection
 
 __all__ = ["UNCHECKED", "Ladder"]
@@ -109,8 +110,7 @@ def _vector(value: Any, name: str, size: int | None = None) -> np.ndarray:
 def _check_temperatures(temps: np.ndarray) -> None:
     if temps.size == 0:
         raise ValueError("`temperatures` is empty: a ladder needs at least T_1 = 1.")
-    if not np.all(np.isfinite(temps)) or np.any(temps <= 0):
-        raise ValueError(f"`temperatures` must be finite and > 0, got {temps}.")
+    check_temperature(temps, "temperatures")
     if temps[0] != 1.0:
         raise ValueError(
             f"`temperatures` must start at T_1 = 1 (the untempered model, which the "

@@ -164,6 +164,7 @@ from numpyro.primitives import Messenger
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, temper
 from numpyro_tempering.partition import Fallback, tempered
+from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
 from numpyro_tempering.structure import (
     Selection,
@@ -354,8 +355,7 @@ def _check_temperatures(temperatures: Any) -> jax.Array:
         raise ValueError(
             f"`temperatures` must be a non-empty 1-D array, got shape {np.shape(temperatures)}."
         )
-    if not np.all(np.isfinite(temps) & (temps > 0)):
-        raise ValueError(f"`temperatures` must be finite and > 0, got {temps}.")
+    check_temperature(temps, "temperatures")
     return jnp.asarray(temps, dtype=jnp.result_type(float))
 
 

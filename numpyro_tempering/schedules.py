@@ -19,14 +19,15 @@ Example:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from numpyro.util import not_jax_tracer
 
 Schedule = Callable[[jax.typing.ArrayLike], jax.Array]
 
@@ -45,10 +46,33 @@ __all__ = [
 PROBE_STEPS = np.concatenate([np.arange(4096), 2 ** np.arange(12, 31)]).astype(np.int32)
 
 
+def check_temperature(temperature: Any, name: str = "temperature") -> None:
+    """The package's one temperature check: raise if a concrete ``temperature`` (a number or
+    an array) is empty, not numeric, not finite or not > 0, naming ``name``; traced values
+    pass (their trouble becomes NaN downstream, see ``handlers.inverse_temperature``).
+
+    Example:
+        >>> check_temperature([1.0, 2.0])
+        >>> check_temperature(0.0, "start")
+        Traceback (most recent call last):
+        ...
+        ValueError: `start` must be finite and > 0, got 0.0.
+    """
+    if not not_jax_tracer(temperature):
+        return
+    value = np.asarray(temperature)
+    if value.size == 0:
+        raise ValueError(f"`{name}` is empty.")
+    if not np.issubdtype(value.dtype, np.number):
+        raise TypeError(f"`{name}` must be numeric, got dtype {value.dtype}.")
+    if not np.all(np.isfinite(value)) or np.any(value <= 0):
+        bad = value[~(np.isfinite(value) & (value > 0))] if value.ndim else value
+        raise ValueError(f"`{name}` must be finite and > 0, got {bad}.")
+
+
 def _check_temperature(value: float, name: str, allow_below_one: bool) -> float:
+    check_temperature(value, name)
     value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"`{name}` must be a finite temperature > 0, got {value}.")
     if value < 1 and not allow_below_one:
         raise ValueError(
             f"`{name}`={value} is below 1, which sharpens the likelihood rather than "
