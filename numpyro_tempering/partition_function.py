@@ -865,8 +865,8 @@ def _prior_estimate(
     return est, nan_sites, constant
 
 
-#: compiled tempered-SMC estimators, per model, tempering selection, budget and argument
-#: structure (issue 9 item 11: compile once per model and shape)
+#: compiled estimators (tempered SMC, prior Monte Carlo, analytic, Jensen), per model,
+#: tempering selection, budget and argument structure: compiled once per model and shape
 _SMC_CACHE: dict = {}
 _SMC_CACHE_SIZE = 32
 #: XLA options of the compiled SMC estimator
@@ -1283,27 +1283,30 @@ def analytic_log_partition(
         True
     """
     num_inner = _check_count(num_inner, "num_inner")
-    marked, temps, _ = _prepare(
-        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
-    )
+    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude, joint)
 
-    @jax.jit
-    def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, dict]:
-        draws = _draws(
-            key,
-            marked,
-            temps,
-            args,
-            kwargs,
-            plate=plate,
-            num_samples=1,
-            num_inner=num_inner,
-            batch_size=None,
-            fallback=fallback,
-            at_mean=True,
-        )
-        return draws.log_c[0], jax.tree.map(lambda v: v[0], draws.site_log_z)
+    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
+        def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, dict]:
+            draws = _draws(
+                key,
+                marked,
+                temps,
+                args,
+                kwargs,
+                plate=plate,
+                num_samples=1,
+                num_inner=num_inner,
+                batch_size=None,
+                fallback=fallback,
+                at_mean=True,
+            )
+            return draws.log_c[0], jax.tree.map(lambda v: v[0], draws.site_log_z)
 
+        return run
+
+    selection = (sites, latent, exclude, joint)
+    extra = (plate, fallback, num_inner)
+    run = _cached_jit("analytic", model, selection, args, kwargs, extra, make)
     run_temps = _with_one(temps)
     log_c, site_log_z = run(rng_key, run_temps)
     _check_log_z_one(site_log_z, run_temps, "analytic log C")
@@ -1371,30 +1374,33 @@ def jensen_bounds(
     """
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
-    marked, temps, _ = _prepare(
-        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
-    )
+    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude, joint)
 
-    @jax.jit
-    def run(key: jax.Array, temps: jax.Array) -> JensenBounds:
-        draws = _draws(
-            key,
-            marked,
-            temps,
-            args,
-            kwargs,
-            plate=plate,
-            num_samples=num_samples,
-            num_inner=num_inner,
-            batch_size=batch_size,
-            fallback=fallback,
-        )
-        log_s = math.log(num_samples)
-        log_mean = (logsumexp(draws.element_log_mean, axis=0) - log_s).sum(-1) + (
-            logsumexp(draws.rest_log_mean, axis=0) - log_s
-        )
-        mean_log = draws.mean_log.mean(0)
-        se = draws.mean_log.std(0, ddof=1) / math.sqrt(num_samples)
-        return JensenBounds(mean_log, log_mean, se)
+    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
+        def run(key: jax.Array, temps: jax.Array) -> JensenBounds:
+            draws = _draws(
+                key,
+                marked,
+                temps,
+                args,
+                kwargs,
+                plate=plate,
+                num_samples=num_samples,
+                num_inner=num_inner,
+                batch_size=batch_size,
+                fallback=fallback,
+            )
+            log_s = math.log(num_samples)
+            log_mean = (logsumexp(draws.element_log_mean, axis=0) - log_s).sum(-1) + (
+                logsumexp(draws.rest_log_mean, axis=0) - log_s
+            )
+            mean_log = draws.mean_log.mean(0)
+            se = draws.mean_log.std(0, ddof=1) / math.sqrt(num_samples)
+            return JensenBounds(mean_log, log_mean, se)
 
+        return run
+
+    selection = (sites, latent, exclude, joint)
+    extra = (plate, fallback, num_samples, num_inner, batch_size)
+    run = _cached_jit("jensen", model, selection, args, kwargs, extra, make)
     return run(rng_key, temps)

@@ -558,3 +558,29 @@ def test_joint_tempering_of_a_mixture_is_exact():
     assert abs(float(marginal.log_c[0])) < 1e-4
     assert np.all(np.abs(np.asarray(marginal.log_c - est.log_c))[1:] > 0.1)
     assert model_sizes(mixture_model, jnp.zeros(6), joint=True) == est.sizes
+
+
+def test_analytic_and_jensen_compile_once_per_model_and_shape():
+    """Like log_partition, the analytic and Jensen estimators are cached: other data values
+    of the same shapes reuse the compiled function, and give the same (data-free) values."""
+    import numpyro_tempering.partition_function as pf
+
+    def fresh_model(x):  # a model object no other test uses
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+    args = dict(num_samples=4, plate="data")
+    first = (
+        analytic_log_partition(KEY, fresh_model, TEMPS, jnp.zeros(N_NORMAL)),
+        jensen_bounds(KEY, fresh_model, TEMPS, jnp.zeros(N_NORMAL), **args),
+    )
+    before = len(pf._SMC_CACHE)
+    again = (
+        analytic_log_partition(KEY, fresh_model, TEMPS, jnp.ones(N_NORMAL)),
+        jensen_bounds(KEY, fresh_model, TEMPS, jnp.ones(N_NORMAL), **args),
+    )
+    assert len(pf._SMC_CACHE) == before
+    np.testing.assert_allclose(first[0], again[0], rtol=1e-6)
+    np.testing.assert_allclose(first[1].log_mean, again[1].log_mean, rtol=1e-6)
+    np.testing.assert_allclose(first[0], normal_log_c(TEMPS), rtol=1e-5, atol=1e-5)
