@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
+import scipy.special
 import scipy.stats
 
 M0, S0, SIGMA = 0.5, 2.0, 1.0
@@ -48,3 +49,25 @@ def tempered_log_evidence(beta: float = 1.0, x=X) -> float:
     cov = SIGMA**2 / beta * np.eye(n) + S0**2 * np.ones((n, n))
     per_point = 0.5 * (1 - beta) * np.log(2 * np.pi * SIGMA**2) - 0.5 * np.log(beta)
     return n * per_point + scipy.stats.multivariate_normal(np.full(n, M0), cov).logpdf(x)
+
+
+# A two-component Normal mixture with the component summed out: under joint tempering each
+# element's normaliser is log sum_k w_k^(1/T) Z_k(T), free of the component means (exact).
+W_MIX, S_MIX = np.array([0.3, 0.7]), np.array([0.5, 2.0])
+
+
+def mixture_model(x):
+    loc = numpyro.sample("loc", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
+    with numpyro.plate("data", x.shape[0]):
+        mix = dist.MixtureSameFamily(
+            dist.Categorical(jnp.asarray(W_MIX)), dist.Normal(loc, jnp.asarray(S_MIX))
+        )
+        numpyro.sample("x", mix, obs=x)
+
+
+def joint_mixture_log_c(temps, n: int = 1) -> np.ndarray:
+    """log C(T) of ``mixture_model`` on n points, jointly tempered: n log sum_k w_k^(1/T)
+    Z_k(T), with Z_k(T) = (2 pi s_k^2)^((1 - 1/T)/2) T^(1/2)."""
+    t = np.asarray(temps, np.float64)[:, None]
+    log_z = 0.5 * (1 - 1 / t) * np.log(2 * np.pi * S_MIX**2) + 0.5 * np.log(t)
+    return n * scipy.special.logsumexp(np.log(W_MIX) / t + log_z, axis=-1)

@@ -10,6 +10,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 import pytest
+from conjugate import joint_mixture_log_c, mixture_model
 from scipy import integrate
 from scipy.special import betaln, comb, logsumexp
 
@@ -528,21 +529,6 @@ def test_single_inner_draw_warns_only_when_locals_matter():
 # ---------------------------------------------------------------------------------------
 # Joint tempering of a summed-out local: per element log sum_k w_k^(1/T) Z_k(T), exact (the
 # Normal normaliser is free of the component means).
-W_MIX, S_MIX = np.array([0.3, 0.7]), np.array([0.5, 2.0])
-
-
-def mixture_model(x):
-    loc = numpyro.sample("loc", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
-    with numpyro.plate("data", x.shape[0]):
-        mix = dist.MixtureSameFamily(dist.Categorical(jnp.asarray(W_MIX)),
-                                     dist.Normal(loc, jnp.asarray(S_MIX)))
-        numpyro.sample("x", mix, obs=x)
-
-
-def joint_mixture_log_c(T, n):
-    T = np.asarray(T)[:, None]
-    log_z = 0.5 * (1 - 1 / T) * np.log(2 * np.pi * S_MIX**2) + 0.5 * np.log(T)
-    return n * logsumexp(np.log(W_MIX) / T + log_z, axis=-1)
 
 
 def test_joint_tempering_of_a_mixture_is_exact():

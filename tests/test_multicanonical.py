@@ -7,6 +7,7 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
+from conjugate import S_MIX, W_MIX, joint_mixture_log_c, mixture_model
 from numpyro.diagnostics import effective_sample_size
 from numpyro.handlers import condition, seed, substitute, trace
 from numpyro.infer import MCMC, NUTS, SVI, Predictive, Trace_ELBO
@@ -565,17 +566,6 @@ def test_nuts_samples_the_exact_multicanonical_posterior():
 # ---------------------------------------------------------------------------------------
 # Joint tempering of a summed-out local (joint=True): l_m = sum_n log sum_k
 # (w_k N(x_n; loc_k, s_k))^(1/T_m), no longer l / T_m. Objective and handler by hand.
-W_MIX, S_MIX = np.array([0.3, 0.7]), np.array([0.5, 2.0])
-
-
-def mixture_model(x):
-    loc = numpyro.sample("loc", dist.Normal(0.0, 3.0).expand([2]).to_event(1))
-    with numpyro.plate("data", x.shape[0]):
-        mix = dist.MixtureSameFamily(dist.Categorical(jnp.asarray(W_MIX)),
-                                     dist.Normal(loc, jnp.asarray(S_MIX)))
-        numpyro.sample("x", mix, obs=x)
-
-
 def mixture_guide(x):
     numpyro.sample("loc", dist.Normal(jnp.array([-1.0, 1.5]), 0.3).to_event(1))
 
@@ -586,9 +576,7 @@ def joint_lik(loc):  # (N, M): log sum_k (w_k N(x_n; loc_k, s_k))^(1/T_m)
 
 
 def joint_log_c(n=1):
-    log_z = 0.5 * (1 - 1 / TEMPS[:, None]) * np.log(2 * np.pi * S_MIX**2)
-    log_z = log_z + 0.5 * np.log(TEMPS[:, None])
-    return n * sp_logsumexp(np.log(W_MIX) / TEMPS[:, None] + log_z, axis=-1)
+    return joint_mixture_log_c(TEMPS, n)
 
 
 @pytest.fixture(scope="module")
