@@ -63,6 +63,7 @@ __all__ = [
     "TemperatureRecord",
     "element_log_partition",
     "mean_inverse_temperature",
+    "posterior_from_arrays",
     "record_temperatures",
     "temperature_history",
     "temperature_posterior",
@@ -124,7 +125,6 @@ def temperature_posterior(
     ell = jnp.asarray(tempered_log_lik)
     dtype = jnp.result_type(ell.dtype, float)
     inv_t = jnp.asarray(ladder.inverse_temperatures, dtype)
-    log_pi = jnp.log(jnp.asarray(ladder.weights, dtype))  # -inf where a weight is 0
     if ell.shape[-1:] != inv_t.shape:
         raise ValueError(
             f"`tempered_log_lik` must end in the ladder's {inv_t.shape[0]} temperatures, got "
@@ -133,13 +133,27 @@ def temperature_posterior(
     if log_c is None:
         ladder.require_log_partition()
         log_c = ladder.log_c
-    logits = log_pi + ell.astype(dtype) - jnp.asarray(log_c, dtype)
+    log_pi = jnp.log(jnp.asarray(ladder.weights, dtype))  # -inf where a weight is 0
+    return posterior_from_arrays(ell.astype(dtype), log_pi, inv_t, jnp.asarray(log_c, dtype))
+
+
+def posterior_from_arrays(
+    tempered_log_lik: jax.Array,
+    log_prior: jax.Array,
+    inverse_temperatures: jax.Array,
+    log_c: jax.Array,
+) -> TemperaturePosterior:
+    r"""Eq. 18 on plain arrays (``(..., M)``, broadcasting): what
+    :func:`temperature_posterior` computes for a :class:`~numpyro_tempering.ladder.Ladder`,
+    for code that carries the ladder as arrays inside ``jit`` (e.g. the conjugate LDA
+    route's per-document sweep)."""
+    logits = log_prior + tempered_log_lik - log_c
     log_marginal = logsumexp(logits, axis=-1)
     probs = jnp.exp(logits - log_marginal[..., None])
     return TemperaturePosterior(
         probs,
-        jnp.sum(probs / inv_t, axis=-1),
-        jnp.sum(probs * inv_t, axis=-1),
+        jnp.sum(probs / inverse_temperatures, axis=-1),
+        jnp.sum(probs * inverse_temperatures, axis=-1),
         log_marginal,
     )
 

@@ -83,6 +83,7 @@ from jax import lax
 
 from numpyro_tempering import schedules
 from numpyro_tempering.models.corpora import Corpus
+from numpyro_tempering.temperatures import posterior_from_arrays
 
 __all__ = [
     "PAPER",
@@ -409,7 +410,7 @@ def _multicanonical_sweep(alpha, inv_temps, log_pi):
             jnp.einsum("rw,rwk->rk", cnt, phi), row_doc, num)
         phi, logits = _phi(elog_w, _per_row(expected_log_dirichlet(new), row_doc), inv_t_rows)
         ell = jax.ops.segment_sum(jnp.einsum("rw,rwk->r", cnt, phi * logits), row_doc, num)
-        new_r = jax.nn.softmax(inv_temps * ell[:, None] - log_c + log_pi, axis=-1)
+        new_r = posterior_from_arrays(inv_temps * ell[:, None], log_pi, inv_temps, log_c).probs
         change = jnp.maximum(jnp.mean(jnp.abs(new - gamma), axis=-1),
                              jnp.max(jnp.abs(new_r - r), axis=-1))
         return (new, new_r), change
