@@ -11,7 +11,7 @@ from numpyro_tempering import (
     warmstart,
 )
 from numpyro_tempering.engine import LogWeights, log_weights
-from numpyro_tempering.handlers import temper
+from numpyro_tempering.handlers import Selection, temper
 from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.multicanonical_model import multicanonical
 from numpyro_tempering.objectives import CUBO, Annealed, KLpq, MulticanonicalELBO, TemperedELBO
@@ -36,6 +36,7 @@ __all__ = [
     "Ladder",
     "LogWeights",
     "MulticanonicalELBO",
+    "Selection",
     "TemperedELBO",
     "analytic_log_partition",
     "bounds",

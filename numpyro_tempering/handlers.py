@@ -69,6 +69,7 @@ the schedule constructors refuse them unless asked.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -91,6 +92,7 @@ from numpyro.infer.util import _unconstrain_reparam
 
 __all__ = [
     "temper",
+    "Selection",
     "Tempered",
     "JointlyTempered",
     "TEMPERED",
@@ -112,10 +114,102 @@ def _names(arg: str | Collection[str] | None, what: str) -> frozenset[str]:
         return frozenset()
     if isinstance(arg, str):
         return frozenset([arg])
+    if callable(arg) or not isinstance(arg, Collection):
+        raise TypeError(f"`{what}` must be a site name or site names (strings), got {arg!r}.")
     names = frozenset(arg)
     if not all(isinstance(n, str) for n in names):
         raise TypeError(f"`{what}` must be site names (strings), got {arg!r}.")
     return names
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which sites are tempered and how: the one value behind ``sites=``, ``latent=``,
+    ``exclude=`` and ``joint=`` (see "Which sites are tempered" in the module docstring).
+
+    Every function that tempers a model takes these four keywords, builds a ``Selection``
+    once with :meth:`of`, and carries that value; a
+    :class:`~numpyro_tempering.ladder.Ladder` records the selection its log C was computed
+    for, and the multicanonical objective and handler take it from there (a different one is
+    an error: log C depends on it). A ``Selection`` may also be passed as ``sites=``.
+
+    Attributes:
+        sites: ``None`` (the sites the model observes), a frozenset of site names, or a
+            predicate ``msg -> bool`` on NumPyro's site message.
+        latent: latent site names tempered in addition.
+        exclude: site names never tempered.
+        joint: temper mixtures over a summed-out local jointly.
+
+    Example:
+        >>> Selection.of(latent="z", exclude=["penalty"])
+        Selection(sites=observed, latent=('z',), exclude=('penalty',), joint=False)
+        >>> Selection.of(Selection.of(joint=True)) == Selection(joint=True)
+        True
+    """
+
+    sites: frozenset[str] | Selector | None = None
+    latent: frozenset[str] = frozenset()
+    exclude: frozenset[str] = frozenset()
+    joint: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        sites: str | Collection[str] | Selector | Selection | None = None,
+        latent: str | Collection[str] = (),
+        exclude: str | Collection[str] = (),
+        joint: bool = False,
+    ) -> Selection:
+        """The selection of ``temper``'s keywords (validated); a ``Selection`` given as
+        ``sites`` is returned as it is (the other keywords must then be left out)."""
+        if isinstance(sites, Selection):
+            if latent or exclude or joint:
+                raise TypeError(
+                    "give either a Selection (as `sites`) or `latent`/`exclude`/`joint`, "
+                    f"not both: got {sites} with latent={latent!r}, exclude={exclude!r}, "
+                    f"joint={joint!r}."
+                )
+            return sites
+        if not isinstance(joint, (bool, np.bool_)):
+            raise TypeError(f"`joint` must be True or False, got {joint!r}.")
+        chosen = sites if sites is None or callable(sites) else _names(sites, "sites")
+        return cls(chosen, _names(latent, "latent"), _names(exclude, "exclude"), bool(joint))
+
+    @property
+    def names(self) -> frozenset[str]:
+        """Every site name the selection mentions (each must exist in the model)."""
+        named = self.sites if isinstance(self.sites, frozenset) else frozenset()
+        return named | self.latent | self.exclude
+
+    def selects(self, msg: dict, observed: bool) -> bool:
+        """Whether the model's sample site ``msg`` is tempered; ``observed``: whether the
+        site is, or will be made, observed."""
+        name = msg["name"]
+        if name in self.exclude:
+            return False
+        if callable(self.sites):
+            chosen = bool(self.sites(msg))
+        elif self.sites is not None:
+            chosen = name in self.sites
+        else:
+            chosen = observed
+        return chosen or name in self.latent
+
+    def tempers_latent(self, name: str) -> bool:
+        """Whether ``name`` is named (not merely observed) as a tempered site."""
+        return name in self.latent or (isinstance(self.sites, frozenset) and name in self.sites)
+
+    def __repr__(self) -> str:
+        if self.sites is None:
+            sites = "observed"
+        elif callable(self.sites):
+            sites = getattr(self.sites, "__name__", repr(self.sites))
+        else:
+            sites = repr(tuple(sorted(self.sites)))
+        latent, exclude = tuple(sorted(self.latent)), tuple(sorted(self.exclude))
+        return (
+            f"Selection(sites={sites}, latent={latent}, exclude={exclude}, joint={self.joint})"
+        )
 
 
 def inverse_temperature(temperature: Any) -> Any:
@@ -271,8 +365,8 @@ class temper(Messenger):
         temperature: T > 0: a number, a (traced) array broadcastable to each selected site's
             batch shape, or a schedule ``step -> T``.
         sites: ``None`` for all sites the model observes (the likelihood, including
-            ``numpyro.factor`` sites), a name or collection of names, or a predicate on the
-            site message.
+            ``numpyro.factor`` sites), a name or collection of names, a predicate on the
+            site message, or a whole :class:`Selection`.
         latent: latent site names to temper in addition to the default selection.
         exclude: site names never to temper (e.g. a factor that belongs to the prior).
         joint: temper mixtures over a summed-out local jointly, p(x, z)^(1/T) inside the sum
@@ -299,13 +393,13 @@ class temper(Messenger):
         fn: Callable | None = None,
         temperature: jax.typing.ArrayLike | Callable = 1.0,
         *,
-        sites: str | Collection[str] | Selector | None = None,
+        sites: str | Collection[str] | Selector | Selection | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
         joint: bool = False,
         clock: str = DEFAULT_CLOCK,
     ) -> None:
-        self.joint = bool(joint)
+        self.selection = Selection.of(sites, latent, exclude, joint)
         self.schedule = temperature if callable(temperature) else None
         if self.schedule is not None:
             _schedules.validate(self.schedule, name="temperature schedule")
@@ -314,10 +408,6 @@ class temper(Messenger):
         if not isinstance(clock, str):
             raise TypeError(f"`clock` must be a site name (str), got {clock!r}.")
         self.temperature = temperature
-        self._predicate: Selector | None = sites if callable(sites) else None
-        self._sites = None if callable(sites) or sites is None else _names(sites, "sites")
-        self._latent = _names(latent, "latent")
-        self._exclude = _names(exclude, "exclude")
         self.clock = clock
         self._inv_temperature: Any = None
         self._seen: set[str] = set()
@@ -333,16 +423,10 @@ class temper(Messenger):
         site counts as observed if it is, or if a ``condition`` handler outside this one
         will condition it.
         """
-        name = msg["name"]
-        if name in self._exclude:
-            return False
-        if self._predicate is not None:
-            chosen = bool(self._predicate(msg))
-        elif self._sites is not None:
-            chosen = name in self._sites
-        else:
-            chosen = bool(msg.get("is_observed")) or self._conditioned_outside(msg)
-        return chosen or name in self._latent
+        observed = self.selection.sites is None and (
+            bool(msg.get("is_observed")) or self._conditioned_outside(msg)
+        )  # only the default selection asks
+        return self.selection.selects(msg, observed)
 
     def _outer_handlers(self) -> list:
         for i, handler in enumerate(_PYRO_STACK):
@@ -412,8 +496,7 @@ class temper(Messenger):
             self._check_selection()
 
     def _check_selection(self) -> None:
-        requested = (self._sites or frozenset()) | self._latent | self._exclude
-        missing = sorted(requested - self._seen)
+        missing = sorted(self.selection.names - self._seen)
         if missing:
             raise ValueError(
                 f"temper: no sample site named {missing} in the model; its sample sites are "
@@ -447,9 +530,9 @@ class temper(Messenger):
             return
         beta = self._inv_temperature
         self._check_shape(msg, beta)
-        if not msg.get("is_observed") and msg["name"] in self._latent | (self._sites or set()):
+        if not msg.get("is_observed") and self.selection.tempers_latent(msg["name"]):
             self._check_not_reparameterised_outside(msg)
-        if self.joint and mixture_of(msg["fn"]) is not None:
+        if self.selection.joint and mixture_of(msg["fn"]) is not None:
             msg["fn"] = JointlyTempered(msg["fn"], beta)
         elif not _is_one(beta):
             msg["fn"] = Tempered(msg["fn"], beta)

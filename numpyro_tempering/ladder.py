@@ -58,7 +58,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +67,10 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro.util import not_jax_tracer
 
-from numpyro_tempering.partition import Fallback
+from numpyro_tempering.handlers import Selection
 from numpyro_tempering.partition_function import flag_untrusted, log_partition
 from numpyro_tempering.schedules import check_temperature
-from numpyro_tempering.structure import ModelSizes, Selection
+from numpyro_tempering.structure import ModelSizes
 
 __all__ = ["UNCHECKED", "Ladder"]
 
@@ -90,6 +90,9 @@ _ARRAYS = (
     "untrusted",
     "num_stages",
 )
+
+
+_STATIC = ("sizes", "num_samples", "plate", "method", "selection")
 
 
 def _concrete(*xs: Any) -> bool:
@@ -210,6 +213,9 @@ class Ladder:
             :func:`~numpyro_tempering.partition_function.flag_untrusted`).
         num_stages: mean number of tempered-SMC stages per temperature (``method="smc"``).
         method: the estimator behind ``log_c`` (``"smc"``, ``"prior"``), or ``None``.
+        selection: the :class:`~numpyro_tempering.handlers.Selection` of tempered sites
+            ``log_c`` was computed for (recorded by :meth:`with_log_partition`); the
+            multicanonical objective and handler use it (see :meth:`selection_for`).
 
     Values are stored as float64 NumPy arrays and cast to the working dtype where used.
 
@@ -235,6 +241,7 @@ class Ladder:
     untrusted: Any = None
     num_stages: Any = None
     method: str | None = None
+    selection: Selection | None = None
 
     def __post_init__(self) -> None:
         if not _concrete(*(getattr(self, n) for n in _ARRAYS)):
@@ -274,6 +281,10 @@ class Ladder:
                 raise ValueError("`ess` needs `num_samples` (the number of Monte Carlo draws).")
             if np.any(~np.isfinite(ess)) or np.any(ess < 0):
                 raise ValueError(f"`ess` must be finite and >= 0, got {ess}.")
+        if not (self.selection is None or isinstance(self.selection, Selection)):
+            raise TypeError(
+                f"`selection` must be a Selection or None, got {type(self.selection)}."
+            )
         if not (
             self.sizes is None or self.sizes == UNCHECKED or isinstance(self.sizes, ModelSizes)
         ):
@@ -304,14 +315,14 @@ class Ladder:
     # -- pytree -------------------------------------------------------------------------
     def tree_flatten(self) -> tuple[tuple, tuple]:
         children = tuple(getattr(self, n) for n in _ARRAYS)
-        return children, (self.sizes, self.num_samples, self.plate, self.method)
+        return children, tuple(getattr(self, n) for n in _STATIC)
 
     @classmethod
     def tree_unflatten(cls, aux: tuple, children: tuple) -> Ladder:
         obj = object.__new__(cls)
         for name, value in zip(_ARRAYS, children, strict=True):
             object.__setattr__(obj, name, value)
-        for name, value in zip(("sizes", "num_samples", "plate", "method"), aux, strict=True):
+        for name, value in zip(_STATIC, aux, strict=True):
             object.__setattr__(obj, name, value)
         return obj
 
@@ -443,6 +454,37 @@ class Ladder:
             )
         sizes.check_matches(self.sizes, what)
 
+    def selection_for(self, selection: Selection, who: str = "MulticanonicalELBO") -> Selection:
+        """The tempering selection a multicanonical objective or handler runs with.
+
+        log C depends on which sites are tempered and how, so the ladder's recorded
+        :attr:`selection` is the one to use: a default ``selection`` (nothing given) takes
+        it, and a different one is a ``ValueError``. A ladder without a recorded selection
+        (``with_log_partition_values`` without ``selection=``) uses ``selection``.
+
+        Example:
+            >>> from numpyro_tempering.handlers import Selection
+            >>> lad = Ladder([1.0]).with_log_partition_values(
+            ...     [0.0], sizes=UNCHECKED, selection=Selection.of(joint=True))
+            >>> lad.selection_for(Selection())
+            Selection(sites=observed, latent=(), exclude=(), joint=True)
+            >>> lad.selection_for(Selection.of(latent="z"))
+            Traceback (most recent call last):
+            ...
+            ValueError: MulticanonicalELBO: the ladder's log C was computed for ...
+        """
+        if self.selection is None or selection == self.selection:
+            return selection
+        if selection == Selection():
+            return self.selection
+        raise ValueError(
+            f"{who}: the ladder's log C was computed for {self.selection}, but the tempering "
+            f"given here is {selection}. log C(T) depends on which sites are tempered and "
+            "how, so the multicanonical weights would be wrong: leave sites/latent/exclude/"
+            "joint out here (they are taken from the ladder) or recompute the ladder's log C "
+            "with this selection."
+        )
+
     # -- log C ----------------------------------------------------------------------------
     def with_log_partition_values(
         self,
@@ -452,6 +494,7 @@ class Ladder:
         *,
         element_log_c: Any = None,
         plate: str | None = None,
+        selection: Selection | None = None,
     ) -> Ladder:
         """A copy holding the given :math:`\\log C(T_m)` (e.g. a closed form).
 
@@ -463,6 +506,8 @@ class Ladder:
                 ``UNCHECKED``; the objective and handler refuse ``None``.
             element_log_c: per-element :math:`\\log c_n(T_m)`, shape ``(M, N)``.
             plate: the plate of ``element_log_c``.
+            selection: the tempered sites it is for (``Selection.of(sites=..., latent=...,
+                exclude=..., joint=...)``), if the objective should take them from here.
 
         Example:
             >>> lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, float("nan")])
@@ -482,57 +527,25 @@ class Ladder:
             sizes,
             element_log_c=element_log_c,
             plate=plate,
+            selection=selection,
         )
 
     def with_log_partition(
-        self,
-        model: Callable,
-        rng_key: jax.Array,
-        *args: Any,
-        method: str = "smc",
-        num_samples: int = 100,
-        num_inner: int = 1,
-        plate: str | None = None,
-        sites: Selection = None,
-        latent: str | Collection[str] = (),
-        exclude: str | Collection[str] = (),
-        joint: bool = False,
-        batch_size: int | None = None,
-        fallback: Fallback = None,
-        num_particles: int = 256,
-        num_replicates: int = 4,
-        num_mcmc_steps: int = 4,
-        **kwargs: Any,
+        self, model: Callable, rng_key: jax.Array, *args: Any, **options: Any
     ) -> Ladder:
         """A copy holding log C estimated by
-        :func:`~numpyro_tempering.partition_function.log_partition` (same arguments,
-        default ``method="smc"``; it warns about untrusted temperatures), with its standard
-        error, effective sample size, SMC stages or Pareto :math:`\\hat k`, its flags, the
-        model sizes and, with ``plate`` on the full plate, the per-element log c_n.
+        :func:`~numpyro_tempering.partition_function.log_partition` at this ladder's
+        temperatures: ``options`` are its keyword arguments (``method``, ``plate``, the
+        tempering selection ``sites``/``latent``/``exclude``/``joint``, the budgets) and the
+        model's keyword arguments. It warns about untrusted temperatures. The copy keeps the
+        standard error, effective sample size, SMC stages or Pareto :math:`\\hat k`, the
+        flags, the model sizes, the tempering :attr:`selection` and, with ``plate`` on the
+        full plate, the per-element log c_n.
 
-        The tempering selection (``sites``/``latent``/``exclude``/``joint``) must be the one
-        the objective or handler will use; the tempered site names are part of the sizes.
+        The multicanonical objective and handler take the tempering selection from the
+        ladder, so it is given once, here.
         """
-        est = log_partition(
-            rng_key,
-            model,
-            self.temperatures,
-            *args,
-            method=method,
-            num_samples=num_samples,
-            num_inner=num_inner,
-            plate=plate,
-            sites=sites,
-            latent=latent,
-            exclude=exclude,
-            joint=joint,
-            batch_size=batch_size,
-            fallback=fallback,
-            num_particles=num_particles,
-            num_replicates=num_replicates,
-            num_mcmc_steps=num_mcmc_steps,
-            **kwargs,
-        )
+        est = log_partition(rng_key, model, self.temperatures, *args, **options)
         bad = np.asarray(est.num_nonfinite)
         if np.any(bad):
             temps = np.asarray(self.temperatures)
@@ -560,6 +573,7 @@ class Ladder:
             untrusted=est.flagged,
             num_stages=None if est.num_stages is None else np.asarray(est.num_stages),
             method=est.method,
+            selection=est.selection,
         )
 
     # -- display --------------------------------------------------------------------------

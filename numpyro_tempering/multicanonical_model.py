@@ -110,7 +110,7 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
-from numpyro_tempering.handlers import TEMPERED, JointlyTempered, temper
+from numpyro_tempering.handlers import TEMPERED, JointlyTempered, Selection, temper
 from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.structure import (
     plate_not_found,
@@ -149,12 +149,13 @@ class multicanonical(Messenger):
     Args:
         fn: the (untempered) model.
         ladder: a :class:`~numpyro_tempering.ladder.Ladder` with ``log_c`` (the whole
-            model's, computed with the same ``sites``/``latent``/``exclude``/``joint``) and
-            the model sizes it is for (a run of other sizes raises ``ValueError``); with
-            ``plate``, also that plate's ``element_log_c``.
+            model's) and the model sizes it is for (a run of other sizes raises
+            ``ValueError``); with ``plate``, also that plate's ``element_log_c``.
         plate: ``None`` for one temperature, or a plate name for one per element.
         sites, latent, exclude, joint: the tempered group, as in
-            :class:`~numpyro_tempering.temper`.
+            :class:`~numpyro_tempering.temper`; by default the ladder's
+            :attr:`~numpyro_tempering.ladder.Ladder.selection` (a different one is a
+            ``ValueError``).
         name: name of the added factor site (the posterior is at ``name + "_probs"``).
     """
 
@@ -164,7 +165,7 @@ class multicanonical(Messenger):
         ladder: Ladder,
         *,
         plate: str | None = None,
-        sites: str | Collection[str] | Callable | None = None,
+        sites: str | Collection[str] | Callable | Selection | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
         joint: bool = False,
@@ -182,7 +183,10 @@ class multicanonical(Messenger):
         self._records: list[dict] = []
         self._plates: dict[str, tuple[int, int, Any]] = {}
         self._params: list[str] = []
-        tempered_fn = temper(fn, 1.0, sites=sites, latent=latent, exclude=exclude, joint=joint)
+        self.selection = ladder.selection_for(
+            Selection.of(sites, latent, exclude, joint), "multicanonical"
+        )
+        tempered_fn = temper(fn, 1.0, sites=self.selection)
         super().__init__(tempered_fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -162,12 +162,11 @@ from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
-from numpyro_tempering.handlers import TEMPERED, temper
+from numpyro_tempering.handlers import TEMPERED, Selection, temper
 from numpyro_tempering.partition import Fallback, tempered
 from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
 from numpyro_tempering.structure import (
-    Selection,
     model_params,
     plate_not_found,
     sizes_from_trace,
@@ -341,10 +340,8 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
     )
 
 
-def _marked(
-    model: Callable, sites: Selection, latent: Any, exclude: Any, joint: bool = False
-) -> Callable:
-    return temper(model, 1.0, sites=sites, latent=latent, exclude=exclude, joint=joint)
+def _marked(model: Callable, selection: Selection) -> Callable:
+    return temper(model, 1.0, sites=selection)
 
 
 def _check_temperatures(temperatures: Any) -> jax.Array:
@@ -520,12 +517,9 @@ def _prepare(
     args: tuple,
     kwargs: dict,
     plate: str | None,
-    sites: Selection,
-    latent: Any,
-    exclude: Any,
-    joint: bool = False,
+    selection: Selection,
 ) -> tuple[Callable, jax.Array, _Structure]:
-    marked = _marked(model, sites, latent, exclude, joint)
+    marked = _marked(model, selection)
     temps = _check_temperatures(temperatures)
     structure = _probe(marked, args, kwargs, plate)
     return marked, temps, structure
@@ -729,6 +723,8 @@ class LogPartitionEstimate(NamedTuple):
         num_stages: ``(M,)`` mean number of SMC stages per replicate (``"smc"``).
         acceptance: ``(M,)`` mean HMC acceptance rate of the last stage (``"smc"``).
         num_particles: P, particles per replicate (``"smc"``).
+        selection: the :class:`~numpyro_tempering.handlers.Selection` of tempered sites
+            the estimate is for.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -752,6 +748,7 @@ class LogPartitionEstimate(NamedTuple):
     num_stages: np.ndarray | None = None
     acceptance: np.ndarray | None = None
     num_particles: int | None = None
+    selection: Selection | None = None
 
     @property
     def flagged(self) -> np.ndarray:
@@ -799,7 +796,7 @@ def _element_split(draws: _Draw, log_c: jax.Array) -> jax.Array:
 def _prior_estimate(
     rng_key: jax.Array,
     model: Callable,
-    selection: tuple,
+    selection: Selection,
     temps: jax.Array,
     structure: _Structure,
     args: tuple,
@@ -858,6 +855,7 @@ def _prior_estimate(
         num_samples=num_samples,
         element_log_c=None if element is None else element[cut],
         plate=plate if element is not None else None,
+        selection=selection,
     )
     constant = bool(
         np.all(np.ptp(np.asarray(log_c_s), axis=0) <= 1e-5 * (1.0 + np.abs(np.asarray(log_c))))
@@ -873,17 +871,10 @@ _SMC_CACHE_SIZE = 32
 SMC_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
-def _hashable(value: Any) -> Any:
-    if isinstance(value, (list, set, frozenset, tuple)):
-        return tuple(_hashable(v) for v in value)
-    hash(value)
-    return value
-
-
 def _cached_jit(
     tag: str,
     model: Callable,
-    selection: tuple,
+    selection: Selection,
     args: tuple,
     kwargs: dict,
     extra: tuple,
@@ -907,13 +898,13 @@ def _cached_jit(
             it = iter(dynamic)
             full = [next(it) if a else v for v, a in zip(static, is_array, strict=True)]
             a, k = jax.tree.unflatten(treedef, full)
-            return make(_marked(model, *selection), a, k)(key, temps)
+            return make(_marked(model, selection), a, k)(key, temps)
 
         return jax.jit(run, compiler_options=compiler_options)
 
     dynamic = [v for v, a in zip(leaves, is_array, strict=True) if a]
     try:
-        cache_key = (tag, model, _hashable(selection), extra, treedef, static, shapes)
+        cache_key = (tag, model, selection, extra, treedef, static, shapes)
         hash(cache_key)
     except TypeError:
         cache_key = None
@@ -930,7 +921,7 @@ def _cached_jit(
 
 def _smc_runner(
     model: Callable,
-    selection: tuple,
+    selection: Selection,
     args: tuple,
     kwargs: dict,
     plate: str | None,
@@ -1004,7 +995,7 @@ def _smc_estimate(
     rng_key: jax.Array,
     model: Callable,
     marked: Callable,
-    selection: tuple,
+    selection: Selection,
     temps: jax.Array,
     structure: _Structure,
     args: tuple,
@@ -1048,6 +1039,7 @@ def _smc_estimate(
         num_stages=np.asarray(out.num_stages).mean(0),
         acceptance=np.asarray(out.acceptance).min(0),
         num_particles=settings.num_particles,
+        selection=selection,
     )
 
 
@@ -1079,7 +1071,7 @@ def log_partition(
     num_samples: int = 100,
     num_inner: int = 1,
     plate: str | None = None,
-    sites: Selection = None,
+    sites: str | Collection[str] | Callable | Selection | None = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
     joint: bool = False,
@@ -1153,11 +1145,9 @@ def log_partition(
     num_mcmc_steps = _check_count(num_mcmc_steps, "num_mcmc_steps")
     if batch_size is not None:
         batch_size = _check_count(batch_size, "batch_size")
-    marked, temps, structure = _prepare(
-        model, temperatures, args, kwargs, plate, sites, latent, exclude, joint
-    )
+    selection = Selection.of(sites, latent, exclude, joint)
+    marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
     key_probe = random.fold_in(rng_key, 1)
-    selection = (sites, latent, exclude, joint)
     prior_kwargs = dict(num_inner=num_inner, plate=plate, batch_size=batch_size,
                         fallback=fallback)
 
@@ -1245,7 +1235,7 @@ def analytic_log_partition(
     *args: Any,
     num_inner: int = 1,
     plate: str | None = None,
-    sites: Selection = None,
+    sites: str | Collection[str] | Callable | Selection | None = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
     joint: bool = False,
@@ -1283,7 +1273,8 @@ def analytic_log_partition(
         True
     """
     num_inner = _check_count(num_inner, "num_inner")
-    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude, joint)
+    selection = Selection.of(sites, latent, exclude, joint)
+    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
 
     def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
         def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, dict]:
@@ -1304,7 +1295,6 @@ def analytic_log_partition(
 
         return run
 
-    selection = (sites, latent, exclude, joint)
     extra = (plate, fallback, num_inner)
     run = _cached_jit("analytic", model, selection, args, kwargs, extra, make)
     run_temps = _with_one(temps)
@@ -1346,7 +1336,7 @@ def jensen_bounds(
     num_samples: int = 100,
     num_inner: int = 1,
     plate: str | None = None,
-    sites: Selection = None,
+    sites: str | Collection[str] | Callable | Selection | None = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
     joint: bool = False,
@@ -1374,7 +1364,8 @@ def jensen_bounds(
     """
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
-    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, sites, latent, exclude, joint)
+    selection = Selection.of(sites, latent, exclude, joint)
+    _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
 
     def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
         def run(key: jax.Array, temps: jax.Array) -> JensenBounds:
@@ -1400,7 +1391,6 @@ def jensen_bounds(
 
         return run
 
-    selection = (sites, latent, exclude, joint)
     extra = (plate, fallback, num_samples, num_inner, batch_size)
     run = _cached_jit("jensen", model, selection, args, kwargs, extra, make)
     return run(rng_key, temps)

@@ -7,7 +7,8 @@ r"""The structure of a model, read from its trace: one home for what several mod
 * :func:`plate_not_found` -- the one error for a plate name the model does not have;
 * :func:`structure_trace`, :func:`model_params` -- one abstract run of a model
   (``jax.eval_shape``: nothing is computed) and its ``numpyro.param`` sites;
-* ``Selection`` -- the type of ``temper``'s ``sites=`` argument.
+* :class:`~numpyro_tempering.handlers.Selection` -- which sites are tempered and how
+  (re-exported here).
 
 Example:
     >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -31,11 +32,10 @@ import jax
 import jax.numpy as jnp
 from numpyro.handlers import seed, trace
 
-from numpyro_tempering.handlers import TEMPERED, temper
+from numpyro_tempering.handlers import TEMPERED, Selection, temper
 
 __all__ = [
     "ModelSizes",
-    "Selection",
     "model_params",
     "model_sizes",
     "plate_not_found",
@@ -44,10 +44,6 @@ __all__ = [
     "structure_trace",
     "subsample_scale",
 ]
-
-#: ``temper``'s ``sites=``: names, one name, a predicate on NumPyro's site message, or None.
-Selection = str | Collection[str] | Callable[[dict], bool] | None
-
 
 def plate_not_found(plate: str, plates: Iterable[str]) -> ValueError:
     """The error for a plate ``plate`` that is not among the model's ``plates``."""
@@ -169,7 +165,7 @@ def stale_params_message(params: list[str], who: str) -> str:
 def model_sizes(
     model: Callable,
     *args: Any,
-    sites: Selection = None,
+    sites: Any = None,
     latent: str | Collection[str] = (),
     exclude: str | Collection[str] = (),
     joint: bool = False,
@@ -188,5 +184,5 @@ def model_sizes(
         >>> model_sizes(model, jnp.zeros(3))
         ModelSizes(plates=(('data', 3),), sites=(('x', (3,)),))
     """
-    marked = temper(model, 1.0, sites=sites, latent=latent, exclude=exclude, joint=joint)
+    marked = temper(model, 1.0, sites=Selection.of(sites, latent, exclude, joint))
     return sizes_from_trace(structure_trace(marked, args, kwargs))

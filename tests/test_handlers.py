@@ -12,7 +12,7 @@ from numpyro import handlers
 from numpyro.infer.util import log_density
 
 from numpyro_tempering import schedules, temper
-from numpyro_tempering.handlers import TEMPERED
+from numpyro_tempering.handlers import TEMPERED, Selection
 
 X = jnp.array([0.3, -1.2, 2.0, 0.7])
 PARAMS = {"mu": 0.4, "z": jnp.array([0.1, -0.5, 0.2, 1.0])}
@@ -50,6 +50,30 @@ def test_sites_by_name_and_by_predicate():
     np.testing.assert_allclose(only_z, by_hand(T_z=2.0), rtol=1e-6)
     pred = logp(temper(model, 2.0, sites=lambda msg: msg["name"] in ("z", "x")))
     np.testing.assert_allclose(pred, by_hand(T=2.0, T_z=2.0), rtol=1e-6)
+
+
+def test_a_selection_value_tempers_as_its_keywords_do():
+    sel = Selection.of(latent="z", exclude=())
+    assert temper(model, 2.0, sites=sel).selection is sel
+    np.testing.assert_allclose(
+        logp(temper(model, 2.0, sites=sel)), logp(temper(model, 2.0, latent="z")), rtol=1e-7
+    )
+    assert Selection.of(["x", "z"], latent=("z",)) == Selection.of(("z", "x"), latent="z")
+    assert hash(Selection.of(latent=["z"])) == hash(Selection.of(latent="z"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sites=Selection(), latent="z"), "either a Selection"),
+        (dict(joint="yes"), "`joint` must be True or False"),
+        (dict(latent=3), "`latent` must be a site name"),
+        (dict(exclude=["x", 1]), "`exclude` must be site names"),
+    ],
+)
+def test_bad_selection_names_the_argument(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        temper(model, 2.0, **kwargs)
 
 
 def test_marks_exactly_the_tempered_sites():

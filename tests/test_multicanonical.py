@@ -18,6 +18,7 @@ from scipy.stats import norm
 
 from numpyro_tempering import TemperedELBO, temper
 from numpyro_tempering.engine import log_weights
+from numpyro_tempering.handlers import Selection
 from numpyro_tempering.ladder import UNCHECKED, Ladder
 from numpyro_tempering.multicanonical_model import multicanonical
 from numpyro_tempering.objectives.multicanonical import (
@@ -608,9 +609,29 @@ def test_joint_tempering_objective_by_hand(joint_ladder, plate):
     np.testing.assert_allclose(out, expected, rtol=1e-5)
     # tempering the marginal instead (joint=False) is a different objective
     assert np.max(np.abs(lik.sum(0) - lik[:, 0].sum() / TEMPS)) > 0.5
-    plain = MulticanonicalELBO(joint_ladder, plate=plate)
-    other = -jax.jit(lambda k: plain.loss(k, {}, mixture_model, mixture_guide, X))(KEY)
-    assert abs(float(other) - float(out)) > 0.01
+    # the ladder carries its selection: without `joint=True` here the objective is the same
+    inherited = MulticanonicalELBO(joint_ladder, plate=plate)
+    assert inherited.selection == Selection(joint=True)
+    again = -jax.jit(lambda k: inherited.loss(k, {}, mixture_model, mixture_guide, X))(KEY)
+    np.testing.assert_allclose(again, out, rtol=1e-6)
+
+
+def test_selection_other_than_the_ladders_is_refused(joint_ladder):
+    # log C was computed for the joint tempering of 'x': another selection would pair the
+    # weights exp(l/T - log C) with the wrong log C (it was accepted without a word before)
+    assert joint_ladder.selection == Selection(joint=True)
+    for make in (MulticanonicalELBO, lambda lad, **kw: multicanonical(mixture_model, lad, **kw)):
+        with pytest.raises(ValueError, match="ladder's log C was computed for"):
+            make(joint_ladder, sites="x")
+        with pytest.raises(ValueError, match="joint=True"):
+            make(joint_ladder, latent="loc", joint=True)
+    assert multicanonical(mixture_model, joint_ladder).selection == Selection(joint=True)
+    # a ladder given its log C by value, without a selection, takes the objective's
+    bare = Ladder(TEMPS, WEIGHTS).with_log_partition_values(
+        joint_ladder.log_c, sizes=joint_ladder.sizes
+    )
+    assert bare.selection is None
+    assert MulticanonicalELBO(bare, sites="x").selection == Selection(frozenset({"x"}))
 
 
 @pytest.mark.parametrize("plate", [None, "data"])

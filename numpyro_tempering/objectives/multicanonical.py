@@ -82,7 +82,7 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_tempering.engine import LogWeights
-from numpyro_tempering.handlers import temper
+from numpyro_tempering.handlers import Selection, temper
 from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.objectives.base import EngineELBO
 from numpyro_tempering.structure import (
@@ -203,15 +203,18 @@ class MulticanonicalELBO(EngineELBO):
 
     Args:
         ladder: a :class:`~numpyro_tempering.ladder.Ladder` holding :math:`\log C(T_m)` for
-            this model (``ladder.with_log_partition(model, key, *args, ...)``, with the same
-            ``sites``/``latent``/``exclude``/``joint``, and ``plate`` for a per-element
-            temperature) and the model sizes it is for. The paper's default is
+            this model (``ladder.with_log_partition(model, key, *args, ...)``, with
+            ``plate`` for a per-element temperature), the model sizes and the tempering
+            selection it is for. The paper's default is
             ``Ladder.geometric(1.0, 10.0, 100)``.
         plate: ``None`` for one global temperature, or the name of a plate for one
             temperature per element (see the module docstring; the ladder must hold that
             plate's per-element :math:`\log c_n`).
         sites, latent, exclude, joint: which sites form the tempered likelihood and how,
-            as in :class:`~numpyro_tempering.temper` (default: the observed sites).
+            as in :class:`~numpyro_tempering.temper`. Default: the ladder's
+            :attr:`~numpyro_tempering.ladder.Ladder.selection` (given once, to
+            ``with_log_partition``), else the observed sites; a selection other than the
+            ladder's is a ``ValueError`` (:meth:`~numpyro_tempering.ladder.Ladder.selection_for`).
         num_particles: Monte Carlo particles.
         vectorize_particles: as in :class:`~numpyro.infer.Trace_ELBO` (``jax.vmap``,
             ``jax.lax.map`` or a callable).
@@ -255,7 +258,7 @@ class MulticanonicalELBO(EngineELBO):
         ladder: Ladder,
         *,
         plate: str | None = None,
-        sites: str | Collection[str] | Callable | None = None,
+        sites: str | Collection[str] | Callable | Selection | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
         joint: bool = False,
@@ -272,15 +275,14 @@ class MulticanonicalELBO(EngineELBO):
         warn_if_flagged(ladder, "MulticanonicalELBO")
         self.ladder = ladder
         self.plate = plate
-        self.joint = bool(joint)
-        self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=self.joint)
+        self.selection = ladder.selection_for(Selection.of(sites, latent, exclude, joint))
         self._sizes_cache: dict[Any, tuple[ModelSizes, list[str]]] = {}
         super().__init__(num_particles=num_particles, vectorize_particles=vectorize_particles)
 
     def tempered_model(self, model: Callable, temperature: Any = 1.0) -> Callable:
         """The model with its likelihood sites marked (``temper(model, 1.0, ...)``), or
         tempered at ``temperature``."""
-        return temper(model, temperature, **self._selection)
+        return temper(model, temperature, sites=self.selection)
 
     # -- size checks ----------------------------------------------------------------------
     def _structure(self, model: Callable, args: tuple, kwargs: dict) -> tuple:
@@ -323,7 +325,7 @@ class MulticanonicalELBO(EngineELBO):
                 rng_key, param_map, tempered, guide, args, kwargs, plate=self.plate
             )
 
-        if not self.joint:
+        if not self.selection.joint:
             return at(1.0), None
         # l_m is not l / T_m: one run per rung, same draws (the sampling ignores T)
         temps = jnp.asarray(self.ladder.temperatures, jnp.result_type(float))

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_tempering.handlers import check_temperature, temper
+from numpyro_tempering.handlers import Selection, check_temperature, temper
 from numpyro_tempering.objectives.base import EngineELBO
 
 __all__ = ["TemperedELBO"]
@@ -103,7 +103,7 @@ class TemperedELBO(EngineELBO):
         sum_sites: bool = True,
         *,
         temperature: jax.typing.ArrayLike | None = None,
-        sites: str | Collection[str] | Callable | None = None,
+        sites: str | Collection[str] | Callable | Selection | None = None,
         latent: str | Collection[str] = (),
         exclude: str | Collection[str] = (),
         joint: bool = False,
@@ -127,12 +127,12 @@ class TemperedELBO(EngineELBO):
                 "schedule to the model: SVI(temper(model, schedule), guide, optim, "
                 "TemperedELBO()), so that its clock lives in SVI's mutable state."
             )
+        self.selection = Selection.of(sites, latent, exclude, joint)
         if temperature is not None:
             check_temperature(temperature)
-        elif sites is not None or latent or exclude:
+        elif self.selection != Selection():
             temperature = 1.0
         self.temperature = temperature
-        self._selection = dict(sites=sites, latent=latent, exclude=exclude, joint=joint)
         self.multi_sample_guide = multi_sample_guide
         self.sum_sites = sum_sites
         super().__init__(num_particles=int(num_particles), vectorize_particles=vectorize_particles)
@@ -141,7 +141,7 @@ class TemperedELBO(EngineELBO):
         """The model as this objective sees it (wrapped in ``temper`` if T was given)."""
         if self.temperature is None:
             return model
-        return temper(model, self.temperature, **self._selection)
+        return temper(model, self.temperature, sites=self.selection)
 
     def prepare(self, model: Callable, guide: Callable) -> tuple[Callable, Callable]:
         return self.tempered_model(model), guide
