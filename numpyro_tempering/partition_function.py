@@ -814,29 +814,16 @@ def _prior_estimate(
     num_temps = temps.shape[0]
     per_element = plate is not None
 
-    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
-        def run(key: jax.Array, temps: jax.Array) -> tuple:
-            draws = _draws(
-                key,
-                marked,
-                temps,
-                args,
-                kwargs,
-                plate=plate,
-                num_samples=num_samples,
-                num_inner=num_inner,
-                batch_size=batch_size,
-                fallback=fallback,
-            )
-            log_c, stderr, ess, bad = _summarise(draws.log_c)
-            element = _element_split(draws, log_c) if per_element else None
-            site_log_z = jax.tree.map(lambda v: jnp.max(v, axis=0), draws.site_log_z)
-            return draws.log_c, log_c, stderr, ess, bad, element, site_log_z
+    def summarise(draws: _Draw) -> tuple:
+        log_c, stderr, ess, bad = _summarise(draws.log_c)
+        element = _element_split(draws, log_c) if per_element else None
+        site_log_z = jax.tree.map(lambda v: jnp.max(v, axis=0), draws.site_log_z)
+        return draws.log_c, log_c, stderr, ess, bad, element, site_log_z
 
-        return run
-
-    extra = (plate, fallback, num_samples, num_inner, batch_size)
-    run = _cached_jit("prior", model, selection, args, kwargs, extra, make)
+    run = _compiled_draws(
+        "prior", model, selection, args, kwargs, summarise, plate=plate, fallback=fallback,
+        num_samples=num_samples, num_inner=num_inner, batch_size=batch_size,
+    )
 
     run_temps = _with_one(temps)
     log_c_s, log_c, stderr, ess, bad, element, site_log_z = run(rng_key, run_temps)
@@ -869,6 +856,26 @@ _SMC_CACHE: dict = {}
 _SMC_CACHE_SIZE = 32
 #: XLA options of the compiled SMC estimator
 SMC_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def _compiled_draws(
+    tag: str,
+    model: Callable,
+    selection: Selection,
+    args: tuple,
+    kwargs: dict,
+    summarise: Callable[[_Draw], Any],
+    **settings: Any,
+) -> Callable:
+    """``(key, temps) -> summarise(_draws(key, marked, temps, ..., **settings))``, compiled
+    once per ``tag`` (which names ``summarise``), model, selection, settings and argument
+    structure (:func:`_cached_jit`)."""
+
+    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
+        return lambda key, temps: summarise(_draws(key, marked, temps, args, kwargs, **settings))
+
+    extra = tuple(sorted(settings.items()))
+    return _cached_jit(tag, model, selection, args, kwargs, extra, make)
 
 
 def _cached_jit(
@@ -1276,27 +1283,13 @@ def analytic_log_partition(
     selection = Selection.of(sites, latent, exclude, joint)
     _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
 
-    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
-        def run(key: jax.Array, temps: jax.Array) -> tuple[jax.Array, dict]:
-            draws = _draws(
-                key,
-                marked,
-                temps,
-                args,
-                kwargs,
-                plate=plate,
-                num_samples=1,
-                num_inner=num_inner,
-                batch_size=None,
-                fallback=fallback,
-                at_mean=True,
-            )
-            return draws.log_c[0], jax.tree.map(lambda v: v[0], draws.site_log_z)
+    def summarise(draws: _Draw) -> tuple[jax.Array, dict]:
+        return draws.log_c[0], jax.tree.map(lambda v: v[0], draws.site_log_z)
 
-        return run
-
-    extra = (plate, fallback, num_inner)
-    run = _cached_jit("analytic", model, selection, args, kwargs, extra, make)
+    run = _compiled_draws(
+        "analytic", model, selection, args, kwargs, summarise, plate=plate, fallback=fallback,
+        num_samples=1, num_inner=num_inner, batch_size=None, at_mean=True,
+    )
     run_temps = _with_one(temps)
     log_c, site_log_z = run(rng_key, run_temps)
     _check_log_z_one(site_log_z, run_temps, "analytic log C")
@@ -1367,30 +1360,17 @@ def jensen_bounds(
     selection = Selection.of(sites, latent, exclude, joint)
     _, temps, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
 
-    def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
-        def run(key: jax.Array, temps: jax.Array) -> JensenBounds:
-            draws = _draws(
-                key,
-                marked,
-                temps,
-                args,
-                kwargs,
-                plate=plate,
-                num_samples=num_samples,
-                num_inner=num_inner,
-                batch_size=batch_size,
-                fallback=fallback,
-            )
-            log_s = math.log(num_samples)
-            log_mean = (logsumexp(draws.element_log_mean, axis=0) - log_s).sum(-1) + (
-                logsumexp(draws.rest_log_mean, axis=0) - log_s
-            )
-            mean_log = draws.mean_log.mean(0)
-            se = draws.mean_log.std(0, ddof=1) / math.sqrt(num_samples)
-            return JensenBounds(mean_log, log_mean, se)
+    def summarise(draws: _Draw) -> JensenBounds:
+        log_s = math.log(num_samples)
+        log_mean = (logsumexp(draws.element_log_mean, axis=0) - log_s).sum(-1) + (
+            logsumexp(draws.rest_log_mean, axis=0) - log_s
+        )
+        mean_log = draws.mean_log.mean(0)
+        se = draws.mean_log.std(0, ddof=1) / math.sqrt(num_samples)
+        return JensenBounds(mean_log, log_mean, se)
 
-        return run
-
-    extra = (plate, fallback, num_samples, num_inner, batch_size)
-    run = _cached_jit("jensen", model, selection, args, kwargs, extra, make)
+    run = _compiled_draws(
+        "jensen", model, selection, args, kwargs, summarise, plate=plate, fallback=fallback,
+        num_samples=num_samples, num_inner=num_inner, batch_size=batch_size,
+    )
     return run(rng_key, temps)
