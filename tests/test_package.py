@@ -17,3 +17,17 @@ def test_no_public_name_shadows_a_submodule():
         value = getattr(numpyro_tempering, name)
         if name in submodules:  # allowed only if the name *is* that submodule
             assert value is importlib.import_module(f"numpyro_tempering.{name}"), name
+
+
+def test_readme_layout_lists_every_module_once():
+    # the README's module map ("Layout") is the one place a reader looks up a concept's home
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    layout = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `numpyro_tempering\.([a-z_]+)`(?:, `([a-z_]+)`)?", layout, re.M)
+    listed = [name for row in rows for name in row if name]
+    assert len(listed) == len(set(listed)), listed
+    modules = {m.name for m in pkgutil.iter_modules(numpyro_tempering.__path__)}
+    assert set(listed) == modules
