@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from numpyro_tempering.handlers import Selection
 from numpyro_tempering.ladder import UNCHECKED, Ladder
 from numpyro_tempering.partition_function import ModelSizes, log_partition, model_sizes
 
@@ -86,12 +87,15 @@ def test_missing_log_partition_is_a_clear_error():
 
 def test_pytree_round_trip_and_jit():
     lad = Ladder([1.0, 2.0, 4.0], [0.2, 0.3, 0.5]).with_log_partition_values(
-        [0.0, 1.0, 2.0], sizes=ModelSizes((("data", 3),), (("x", (3,)),))
+        [0.0, 1.0, 2.0],
+        sizes=ModelSizes((("data", 3),), (("x", (3,)),)),
+        selection=Selection.of(latent="z", joint=True),
     )
     leaves, treedef = jax.tree.flatten(lad)
     assert len(leaves) == 3  # temperatures, weights, log_c (stderr None is no leaf)
     back = jax.tree.unflatten(treedef, leaves)
     assert back.sizes == lad.sizes
+    assert back.selection == Selection.of(latent="z", joint=True)  # static: part of treedef
     np.testing.assert_array_equal(back.log_c, lad.log_c)
 
     @jax.jit
@@ -112,6 +116,7 @@ def test_with_log_partition_stores_estimate_and_sizes():
     exact = 4 * (0.5 * (1 - a) * np.log(2 * np.pi * 0.25) + 0.5 * np.log(lad.temperatures))
     np.testing.assert_allclose(lad.log_c, exact, rtol=1e-5, atol=1e-5)
     assert lad.sizes == model_sizes(model, x)
+    assert lad.selection == Selection()  # the default: the observed sites
     lad.check_sizes(model_sizes(model, x))
     with pytest.raises(ValueError, match=r"plate 'data': model has 5, the ladder's log C was"):
         lad.check_sizes(model_sizes(model, jnp.zeros(5)))
