@@ -719,7 +719,9 @@ class LogPartitionEstimate(NamedTuple):
         method: ``"smc"`` (tempered SMC, :mod:`numpyro_tempering.tempered_smc`) or
             ``"prior"`` (plain Monte Carlo over the globals from the prior; also used when
             the contributions do not depend on the globals, which makes it exact).
-        replicate_log_c: ``(R, M)`` the replicates' :math:`\log \hat C_r(T)` (``"smc"``).
+        replicate_log_c: ``(R, M)`` independent unbiased estimates :math:`\hat C_r(T)`, as
+            logs, that ``log_c`` averages: the SMC replicates (``"smc"``) or the outer
+            draws (``"prior"``, R = S), for diagnostics of one's own.
         num_stages: ``(M,)`` mean number of SMC stages per replicate (``"smc"``).
         acceptance: ``(M,)`` mean HMC acceptance rate of the last stage (``"smc"``).
         num_particles: P, particles per replicate (``"smc"``).
@@ -842,6 +844,7 @@ def _prior_estimate(
         num_samples=num_samples,
         element_log_c=None if element is None else element[cut],
         plate=plate if element is not None else None,
+        replicate_log_c=np.asarray(log_c_s)[:, cut],
         selection=selection,
     )
     constant = bool(

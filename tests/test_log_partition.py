@@ -153,6 +153,20 @@ def test_beta_bernoulli_agrees_with_closed_form(bb_estimates):
     assert np.all(np.asarray(est.stderr)[1:] > 1e-4)
 
 
+def test_prior_estimate_returns_the_draws_it_averages(bb_estimates):
+    est, _ = bb_estimates
+    draws = np.asarray(est.replicate_log_c, np.float64)  # (S, M): one log C_s per outer draw
+    assert draws.shape == (3000, TEMPS.size)
+    np.testing.assert_allclose(
+        logsumexp(draws, axis=0) - np.log(3000), est.log_c, rtol=1e-5, atol=1e-4
+    )
+    # the standard error is the delta method over the same draws
+    w = np.exp(draws - draws.max(0))
+    np.testing.assert_allclose(
+        w.std(0, ddof=1) / (np.sqrt(3000) * w.mean(0)), est.stderr, rtol=1e-3, atol=1e-6
+    )
+
+
 def test_jensen_bounds_of_eq8_are_both_lower_bounds(bb_estimates):
     est, bounds = bb_estimates
     exact = np.array([bb_log_c(T) for T in TEMPS])
