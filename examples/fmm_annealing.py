@@ -48,7 +48,15 @@ import jax.numpy as jnp
 import matplotlib
 import numpy as np
 import optax
-from fmm_common import batch_states, evaluate, plot_features, prior_inits, unstack_params, verdict
+from fmm_common import (
+    batch_states,
+    evaluate,
+    plot_features,
+    print_seed_table,
+    prior_inits,
+    unstack_params,
+    verdict,
+)
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
@@ -128,21 +136,7 @@ def make_fit(svi, guide, x, eval_every: int):
 
 
 def print_table(results, truth_loglik):
-    names = "".join(f"{m:>11}" for m in METHODS)
-    print()
-    print(f"{'':>4} | {'ELBO at T = 1':^33} | {'log p(x | E_q[mu])':^33} | {'component RMSE':^33}")
-    print(f"{'seed':>4} | {names} | {names} | {names}")
-    for seed, row in enumerate(results):
-        marks = {m: " " if m == "VI" else "+=-"[1 - verdict(row[m], row["VI"])] for m in METHODS}
-        elbo = "".join(f"{row[m]['elbo']:>10.1f}{marks[m]}" for m in METHODS)
-        loglik = "".join(f"{row[m]['loglik']:>11.1f}" for m in METHODS)
-        error = "".join(f"{row[m]['error']:>11.3f}" for m in METHODS)
-        print(f"{seed:>4} | {elbo} | {loglik} | {error}")
-    print(
-        f"(+/-/= : ELBO higher/lower than VI's by > 3 s.e., or a tie; the ELBO's s.e. is "
-        f"<= {max(r[m]['se'] for r in results for m in METHODS):.1f})"
-    )
-    print(f"log p(x | true mu) = {truth_loglik:.1f}")
+    print_seed_table(results, METHODS, truth_loglik, width=11, decimals=1)
     for m in METHODS[1:]:
         v = [verdict(r[m], r["VI"]) for r in results]
         print(

@@ -1,5 +1,5 @@
 """What the factorial-mixture examples share: initial states, the VI/AVI/MVI update step,
-evaluation at T = 1, the seed-by-seed verdict and the feature pictures."""
+evaluation at T = 1, the seed-by-seed verdict and table, and the feature pictures."""
 
 from __future__ import annotations
 
@@ -79,6 +79,35 @@ def verdict(mine: dict, ref: dict) -> int:
     if mine["elbo"] > ref["elbo"] + margin:
         return 1
     return -1 if mine["elbo"] < ref["elbo"] - margin else 0
+
+
+def print_seed_table(
+    results: list[dict], methods, truth_loglik: float, width: int, decimals: int, extra=None
+) -> None:
+    """One row per seed: ELBO at T = 1 (marked +/=/- against VI by :func:`verdict`),
+    log p(x | E_q[mu]) and the feature error of every method; ``extra = (title, unit,
+    values)`` adds one last column (e.g. MVI's final E[T])."""
+    names = "".join(f"{m:>{width}}" for m in methods)
+    span = width * len(methods)
+    tail = ("", "") if extra is None else (f" | {extra[0]}", f" | {extra[1]}")
+    print()
+    print(
+        f"{'':>4} | {'ELBO at T = 1':^{span}} | {'log p(x | E_q[mu])':^{span}} | "
+        f"{'component RMSE':^{span}}{tail[0]}"
+    )
+    print(f"{'seed':>4} | {names} | {names} | {names}{tail[1]}")
+    for seed, row in enumerate(results):
+        marks = {m: " " if m == "VI" else "+=-"[1 - verdict(row[m], row["VI"])] for m in methods}
+        elbo = "".join(f"{row[m]['elbo']:>{width - 1}.{decimals}f}{marks[m]}" for m in methods)
+        loglik = "".join(f"{row[m]['loglik']:>{width}.{decimals}f}" for m in methods)
+        error = "".join(f"{row[m]['error']:>{width}.3f}" for m in methods)
+        more = "" if extra is None else f" | {extra[2][seed]:>8.3f}"
+        print(f"{seed:>4} | {elbo} | {loglik} | {error}{more}")
+    print(
+        f"(+/-/= : ELBO higher/lower than VI's by > 3 s.e., or a tie; the ELBO's s.e. is "
+        f"<= {max(r[m]['se'] for r in results for m in methods):.2f})"
+    )
+    print(f"log p(x | true mu) = {truth_loglik:.1f}")
 
 
 def plot_features(fig, column, results_of_seed: dict, methods, truth, side: int = 4) -> None:

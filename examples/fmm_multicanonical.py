@@ -81,6 +81,7 @@ from fmm_common import (
     evaluate,
     make_step,
     plot_features,
+    print_seed_table,
     prior_inits,
     unstack_params,
     verdict,
@@ -197,21 +198,8 @@ def make_fit(name, svi, eval_guide, x, inv_t, eval_every):
 
 
 def print_table(results, truth_loglik, final_t):
-    names = "".join(f"{m:>9}" for m in METHODS)
-    width = 9 * len(METHODS)
-    print()
-    print(f"{'':>4} | {'ELBO at T = 1':^{width}} | {'log p(x | E_q[mu])':^{width}} | "
-          f"{'component RMSE':^{width}} | MVI")
-    print(f"{'seed':>4} | {names} | {names} | {names} | E[T] end")
-    for seed, row in enumerate(results):
-        marks = {m: " " if m == "VI" else "+=-"[1 - verdict(row[m], row["VI"])] for m in METHODS}
-        elbo = "".join(f"{row[m]['elbo']:>8.0f}{marks[m]}" for m in METHODS)
-        loglik = "".join(f"{row[m]['loglik']:>9.0f}" for m in METHODS)
-        error = "".join(f"{row[m]['error']:>9.3f}" for m in METHODS)
-        print(f"{seed:>4} | {elbo} | {loglik} | {error} | {final_t[seed]:>8.3f}")
-    print(f"(+/-/= : ELBO higher/lower than VI's by > 3 s.e., or a tie; the ELBO's s.e. is "
-          f"<= {max(r[m]['se'] for r in results for m in METHODS):.2f})")
-    print(f"log p(x | true mu) = {truth_loglik:.1f}")
+    print_seed_table(results, METHODS, truth_loglik, width=9, decimals=0,
+                     extra=("MVI", "E[T] end", final_t))
     print()
     print(f"{'method':>6} | {'mean ELBO':>9} | {'median':>7} | {'mean RMSE':>9} | "
           f"{'RMSE<0.05':>9} | {'vs VI: win/tie/loss (3 s.e.)':>28} | {'RMSE < VI':>9}")
