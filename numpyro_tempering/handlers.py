@@ -133,9 +133,9 @@ class Selection:
     for, and the multicanonical objective and handler take it from there (a different one is
     an error: log C depends on it). A ``Selection`` may also be passed as ``sites=``.
 
-    Attributes:
-        sites: ``None`` (the sites the model observes), a frozenset of site names, or a
-            predicate ``msg -> bool`` on NumPyro's site message.
+    Attributes (names given as one string or a collection are stored as a frozenset):
+        sites: ``None`` (the sites the model observes), site names, or a predicate
+            ``msg -> bool`` on NumPyro's site message.
         latent: latent site names tempered in addition.
         exclude: site names never tempered.
         joint: temper mixtures over a summed-out local jointly.
@@ -170,10 +170,20 @@ class Selection:
                     f"joint={joint!r}."
                 )
             return sites
-        if not isinstance(joint, (bool, np.bool_)):
-            raise TypeError(f"`joint` must be True or False, got {joint!r}.")
-        chosen = sites if sites is None or callable(sites) else _names(sites, "sites")
-        return cls(chosen, _names(latent, "latent"), _names(exclude, "exclude"), bool(joint))
+        return cls(sites, latent, exclude, joint)
+
+    def __post_init__(self) -> None:  # normalise: names become frozensets (hashable)
+        if isinstance(self.sites, Selection):
+            raise TypeError("`sites` is a Selection: use Selection.of(selection) or the value.")
+        if not isinstance(self.joint, (bool, np.bool_)):
+            raise TypeError(f"`joint` must be True or False, got {self.joint!r}.")
+        sites = self.sites
+        if not (sites is None or callable(sites)):
+            sites = _names(sites, "sites")
+        object.__setattr__(self, "sites", sites)
+        object.__setattr__(self, "latent", _names(self.latent, "latent"))
+        object.__setattr__(self, "exclude", _names(self.exclude, "exclude"))
+        object.__setattr__(self, "joint", bool(self.joint))
 
     @property
     def names(self) -> frozenset[str]:

@@ -60,6 +60,7 @@ def test_a_selection_value_tempers_as_its_keywords_do():
     )
     assert Selection.of(["x", "z"], latent=("z",)) == Selection.of(("z", "x"), latent="z")
     assert hash(Selection.of(latent=["z"])) == hash(Selection.of(latent="z"))
+    assert Selection(sites=["x"], latent="z") == Selection.of("x", latent=("z",))
 
 
 @pytest.mark.parametrize(
