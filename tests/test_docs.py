@@ -1,4 +1,8 @@
-"""Every ``python`` code block in the README and the docs runs (blocks of a page in order)."""
+"""Every ``python`` code block in the README and the docs runs (blocks of a page in order).
+
+One test class per page: under ``--dist loadscope`` (pyproject) a class is a work unit of its
+own, so the pages spread over the xdist workers.
+"""
 
 import re
 from pathlib import Path
@@ -14,9 +18,25 @@ def blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if blocks(p)], ids=lambda p: p.name)
-def test_code_blocks_run(page, monkeypatch, tmp_path):
-    monkeypatch.chdir(tmp_path)
+def run_blocks(page: Path) -> None:
     namespace: dict = {"__name__": f"docs_{page.stem}"}
     for i, code in enumerate(blocks(page)):
         exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)
+
+
+def unit_class(page: Path) -> type:
+    """``Test_<page>``, holding the one test ``test_code_blocks_run`` of ``page``."""
+
+    def test_code_blocks_run(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+        monkeypatch.chdir(tmp_path)
+        run_blocks(page)
+
+    body = {"test_code_blocks_run": test_code_blocks_run, "__module__": __name__}
+    return type(f"Test_{page.stem}", (), body)
+
+
+for _page in PAGES:
+    if blocks(_page):
+        _cls = unit_class(_page)
+        assert _cls.__name__ not in globals(), _page  # one class per page name
+        globals()[_cls.__name__] = _cls
