@@ -68,7 +68,11 @@ import numpy as np
 from numpyro.util import not_jax_tracer
 
 from numpyro_tempering.handlers import Selection
-from numpyro_tempering.partition_function import flag_untrusted, log_partition
+from numpyro_tempering.partition_function import (
+    LogPartitionEstimate,
+    flag_untrusted,
+    log_partition,
+)
 from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes
 
@@ -546,9 +550,41 @@ class Ladder:
         ladder, so it is given once, here.
         """
         est = log_partition(rng_key, model, self.temperatures, *args, **options)
+        return self.with_estimate(est)
+
+    def with_estimate(self, est: LogPartitionEstimate) -> Ladder:
+        """A copy holding an estimate ``est`` that
+        :func:`~numpyro_tempering.partition_function.log_partition` returned for this
+        ladder's temperatures (e.g. one run earlier with custom settings): log C, its
+        diagnostics and flags, the model sizes and the tempering selection, as
+        :meth:`with_log_partition` keeps them. An estimate at other temperatures, or with
+        non-finite draws, is a ``ValueError``.
+
+        Example:
+            >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
+            >>> from numpyro_tempering.partition_function import log_partition
+            >>> def model(x):
+            ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            ...     numpyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+            >>> est = log_partition(jax.random.PRNGKey(0), model, [1.0, 2.0], 0.0,
+            ...                     method="prior", num_samples=100)
+            >>> lad = Ladder([1.0, 2.0]).with_estimate(est)
+            >>> bool(jnp.allclose(lad.log_c, est.log_c)), lad.sizes == est.sizes
+            (True, True)
+            >>> Ladder([1.0, 3.0]).with_estimate(est)
+            Traceback (most recent call last):
+            ...
+            ValueError: the estimate is for temperatures [1.0, 2.0], not the ladder's [1.0, 3.0].
+        """
+        temps = np.asarray(self.temperatures)
+        theirs = np.asarray(est.temperatures, np.float64)
+        if theirs.shape != temps.shape or not np.allclose(theirs, temps, rtol=1e-6, atol=0):
+            raise ValueError(
+                f"the estimate is for temperatures {theirs.tolist()}, not the ladder's "
+                f"{temps.tolist()}."
+            )
         bad = np.asarray(est.num_nonfinite)
         if np.any(bad):
-            temps = np.asarray(self.temperatures)
             what = (
                 f"{est.replicate_log_c.shape[0]} SMC replicates"
                 if est.method == "smc"
