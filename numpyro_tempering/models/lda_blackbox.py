@@ -253,14 +253,6 @@ class BlackBoxResult(NamedTuple):
     num_nonfinite: int
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled:
-        return None
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="batch", desc="black-box LDA")
-
-
 def fit(
     corpus: Corpus,
     num_topics: int,
@@ -358,7 +350,7 @@ def fit(
         posterior(svi.get_params(state), key_post)  # compiled here, not in the timing
     compile_seconds = time.perf_counter() - start
 
-    bar = _progress(num_steps, progress_bar)
+    bar = lda_svi.progress(num_steps, progress_bar, "black-box LDA")
     losses, mvi_temps = [], []
     start = time.perf_counter()
     for step in range(num_steps):

@@ -723,12 +723,14 @@ def as_mesh(mesh: Any) -> Any:
     return Mesh(np.array(devices), (_DATA_AXIS,))
 
 
-def _progress(total: int, enabled: bool):
+def progress(total: int, enabled: bool, desc: str = "online LDA"):
+    """A tqdm bar over ``total`` minibatches, or ``None`` when not ``enabled`` (the LDA
+    fitters' ``progress_bar=``)."""
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="batch", desc="online LDA")
+    return tqdm(total=total, unit="batch", desc=desc)
 
 
 def fit(
@@ -877,7 +879,7 @@ def fit(
                put(np.zeros((padded_size, num_topics), dtype), True), temps_in[0])
     compiled, compile_seconds = _compiled_step(cfg, example, mesh)
 
-    bar = _progress(num_steps, progress_bar)
+    bar = progress(num_steps, progress_bar)
     infos = []
     start = time.perf_counter()
     for docs, sh, doc_rows, temp in zip(batches, doc_shards, rows, temps_in, strict=True):
