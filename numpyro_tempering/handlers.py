@@ -131,9 +131,10 @@ class Selection:
     once with :meth:`of`, and carries that value; a
     :class:`~numpyro_tempering.ladder.Ladder` records the selection its log C was computed
     for, and the multicanonical objective and handler take it from there (a different one is
-    an error: log C depends on it). A ``Selection`` may also be passed as ``sites=``.
+    an error: log C depends on it). A ``Selection`` may also be passed as ``sites=``. Names
+    given as one string or a collection are stored as a frozenset.
 
-    Attributes (names given as one string or a collection are stored as a frozenset):
+    Attributes:
         sites: ``None`` (the sites the model observes), site names, or a predicate
             ``msg -> bool`` on NumPyro's site message.
         latent: latent site names tempered in addition.
