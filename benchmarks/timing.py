@@ -3,7 +3,9 @@
 Every benchmark compares objectives measured in the same process: each objective's
 ``num_steps`` consecutive ``svi.update`` calls are compiled once into one ``lax.scan``, then
 the objectives are timed in turn within every repeat, so that machine load affects them
-alike, and the median time per step is reported.
+alike, and the median time per step is reported; a ratio between two objectives is the
+median of their per-repeat ratios (paired within a repeat), with half its interquartile
+range as its noise.
 """
 
 from __future__ import annotations
@@ -32,28 +34,61 @@ def time_steps(run, state, num_steps: int):
     return (time.perf_counter() - start) / num_steps, state
 
 
-def interleaved(updates: dict, args, steps: int, repeats: int) -> dict[str, float]:
-    """Median seconds per step of each ``name -> (svi, state)``, timed in turn per repeat."""
+def interleaved_times(updates: dict, args, steps: int, repeats: int) -> dict[str, np.ndarray]:
+    """Seconds per step of each ``name -> (svi, state)`` in every repeat, timed in turn per
+    repeat (the order rotates from one repeat to the next, so that no objective always runs
+    first or last)."""
     runs, states = {}, {}
     for name, (svi, state) in updates.items():
         runs[name] = compile_steps(svi, args, steps)
         _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            seconds, states[name] = time_steps(run, states[name], steps)
+    names = list(runs)
+    times = {name: [] for name in names}
+    for repeat in range(repeats):
+        shift = repeat % len(names)
+        for name in names[shift:] + names[:shift]:
+            seconds, states[name] = time_steps(runs[name], states[name], steps)
             times[name].append(seconds)
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+def interleaved(updates: dict, args, steps: int, repeats: int) -> dict[str, float]:
+    """Median seconds per step of each ``name -> (svi, state)``, timed in turn per repeat."""
+    times = interleaved_times(updates, args, steps, repeats)
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
-def print_ratios(label: str, num_particles: int, result: dict[str, float], width: int) -> float:
-    """One row per objective with its ratio to ``Trace_ELBO``; returns the worst ratio."""
-    reference = result["Trace_ELBO"]
+def paired_ratio(times: dict[str, np.ndarray], name: str, reference: str) -> tuple[float, float]:
+    """Median over repeats of ``name``'s time over ``reference``'s in the same repeat, and
+    half the interquartile range of those ratios (their run-to-run noise)."""
+    ratios = times[name] / times[reference]
+    low, mid, high = np.percentile(ratios, [25, 50, 75])
+    return float(mid), float((high - low) / 2)
+
+
+def print_ratios(
+    label: str,
+    num_particles: int,
+    result: dict[str, float] | dict[str, np.ndarray],
+    width: int,
+    reference: str = "Trace_ELBO",
+) -> float:
+    """One row per objective with its ratio to ``reference``; returns the worst ratio (over
+    the objectives other than ``reference``).
+
+    ``result``: median seconds per step (:func:`interleaved`), or the per-repeat times
+    (:func:`interleaved_times`), for which the ratio is :func:`paired_ratio` and its noise
+    (half the interquartile range over repeats) is printed after it.
+    """
     worst = 0.0
     for name, seconds in result.items():
-        ratio = seconds / reference
-        if name != "Trace_ELBO":
-            worst = max(worst, ratio)
+        if np.ndim(seconds):
+            value, noise = paired_ratio(result, name, reference)
+            seconds, spread = float(np.median(seconds)), f" ±{noise:.3f}"
+        else:
+            value, spread = seconds / result[reference], ""
+        if name != reference:
+            worst = max(worst, value)
         row = f"{label:<{width}} {num_particles:>2}  {name:<24} {1e6 * seconds:>9.1f}"
-        print(f"{row} {ratio:>6.3f}")
+        print(f"{row} {value:>6.3f}{spread}")
     return worst

@@ -52,7 +52,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import logsumexp
 from numpyro.primitives import mutable
 
 from numpyro_tempering.ladder import Ladder
@@ -146,15 +145,41 @@ def posterior_from_arrays(
     r"""Eq. 18 on plain arrays (``(..., M)``, broadcasting): what
     :func:`temperature_posterior` computes for a :class:`~numpyro_tempering.ladder.Ladder`,
     for code that carries the ladder as arrays inside ``jit`` (e.g. the conjugate LDA
-    route's per-document sweep)."""
+    route's per-document sweep).
+
+    One pass of exponentials: with :math:`a_m` the logits and :math:`a^* = \max_m a_m`
+    (0 if not finite, as ``logsumexp`` does), :math:`e_m = \exp(a_m - a^*)`, and the
+    normaliser and both moments are one product :math:`e\,[1, T, 1/T]`:
+    :math:`r = e / \sum_m e_m`, :math:`\log\sum_m e^{a_m} = a^* + \log\sum_m e_m`. The same
+    numbers as ``logsumexp`` followed by ``exp(a - logsumexp(a))`` up to rounding, with one
+    exponential per entry instead of two (what a ``(N, M)`` per-element array costs in the
+    multicanonical local step: ``benchmarks/multicanonical.py``).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> post = posterior_from_arrays(jnp.array([-3.0, -1.5]), jnp.log(jnp.array([0.5, 0.5])),
+        ...                              jnp.array([1.0, 0.5]), jnp.array([0.0, 1.0]))
+        >>> [round(float(p), 4) for p in post.probs], round(float(post.log_marginal), 4)
+        ([0.3775, 0.6225], -2.7191)
+    """
     logits = log_prior + tempered_log_lik - log_c
-    log_marginal = logsumexp(logits, axis=-1)
-    probs = jnp.exp(logits - log_marginal[..., None])
+    inv_t = jnp.asarray(inverse_temperatures)
+    shift = jnp.max(logits, axis=-1, keepdims=True)
+    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
+    e = jnp.exp(logits - shift)
+    if inv_t.ndim == 1:  # one product for the three sums (no second pass of exponentials)
+        columns = jnp.stack([jnp.ones_like(inv_t), 1.0 / inv_t, inv_t], axis=-1)
+        sums = jnp.matmul(e, columns.astype(e.dtype), precision=jax.lax.Precision.HIGHEST)
+        total, sum_t, sum_inv_t = sums[..., 0], sums[..., 1], sums[..., 2]
+    else:
+        total = jnp.sum(e, axis=-1)
+        sum_t = jnp.sum(e / inv_t, axis=-1)
+        sum_inv_t = jnp.sum(e * inv_t, axis=-1)
     return TemperaturePosterior(
-        probs,
-        jnp.sum(probs / inverse_temperatures, axis=-1),
-        jnp.sum(probs * inverse_temperatures, axis=-1),
-        log_marginal,
+        e / total[..., None],
+        sum_t / total,
+        sum_inv_t / total,
+        shift[..., 0] + jnp.log(total),
     )
 
 
@@ -301,6 +326,15 @@ def record_temperatures(
         return model(*args, **kwargs)
 
     return recorded
+
+
+def record_names(state: dict | None) -> tuple[str, ...]:
+    """Names of the :class:`TemperatureRecord` sites in a mutable-state (or param) dict: the
+    same for every particle (the objective appends to them once per step), so the engine
+    keeps them whatever the number of particles."""
+    if not isinstance(state, dict):
+        return ()
+    return tuple(k for k, v in state.items() if isinstance(v, TemperatureRecord))
 
 
 def update_records(state: dict | None, posterior: TemperaturePosterior) -> dict | None:

@@ -1,5 +1,7 @@
 """MulticanonicalELBO (eq. 13, 18) and the multicanonical handler: exactness and hand checks."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -309,6 +311,20 @@ def test_recorded_trajectory_matches_re_evaluation():
     # svi.run records the same way
     result = svi.run(jax.random.PRNGKey(1), steps, X, progress_bar=False)
     np.testing.assert_allclose(temperature_history(result).probs, hist.probs, rtol=1e-4)
+
+
+def test_record_with_several_particles_is_written_without_a_warning():
+    # the record is per step, not per particle: no "mutable state is currently ignored"
+    elbo = MulticanonicalELBO(LADDER, num_particles=3)
+    svi = SVI(record_temperatures(model, LADDER, 2), guide, optax.adam(0.1), elbo)
+    state = svi.init(jax.random.PRNGKey(4), X)
+    key, params = jax.random.split(state.rng_key)[1], svi.get_params(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state, _ = jax.jit(svi.update)(state, X)
+    hist = temperature_history(state)
+    assert hist.probs.shape == (1, 3)
+    np.testing.assert_allclose(hist.probs[0], posterior_fn(elbo)(key, params).probs, rtol=1e-5)
 
 
 def test_record_of_local_temperatures_is_the_minibatch_average():

@@ -164,3 +164,87 @@ def test_split_when_the_normaliser_depends_on_the_globals():
     # differences between elements are exact (same draws): A_n - A_0
     diff = np.asarray(est.element_log_c) - np.asarray(est.element_log_c)[:, :1]
     np.testing.assert_allclose(diff, a_n - a_n[:, :1], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------
+# The fused eq. 18 (one pass of exponentials) and the M-ELBO's y-terms at the optimum
+# (log Z - E_r[l_m], no second (B, M) pass) are the explicit formulas up to rounding.
+def _weights(key, s, b):
+    from numpyro_tempering.engine import LogWeights
+
+    k1, k2, k3 = jax.random.split(key, 3)
+    elements = -jnp.abs(jax.random.normal(k1, (s, b))) * jnp.linspace(1.0, 400.0, b)
+    return LogWeights(
+        log_prior=jax.random.normal(k2, (s,)),
+        log_lik=elements.sum(-1),
+        log_q=jax.random.normal(k3, (s,)),
+        log_lik_elements=elements,
+        plate_scale=jnp.asarray(1.0),
+        plate_indices=jnp.arange(b),
+    )
+
+
+def test_fused_posterior_matches_logsumexp_and_keeps_non_finite_as_nan():
+    from numpyro_tempering.temperatures import posterior_from_arrays
+
+    rng = np.random.default_rng(0)
+    temps = np.geomspace(1.0, 10.0, 7)
+    with np.errstate(divide="ignore"):  # a zero-weight rung gets r = 0 exactly
+        log_pi = np.log(np.r_[0.0, np.full(6, 1 / 6)])
+    ell = rng.normal(size=(5, 1)) * np.array([[1.0], [30.0], [1e3], [1e4], [0.1]]) / temps
+    log_c = rng.normal(size=(5, 7))
+    post = posterior_from_arrays(jnp.asarray(ell), jnp.asarray(log_pi), jnp.asarray(1 / temps),
+                                 jnp.asarray(log_c))
+    a = log_pi + ell - log_c
+    r = np.exp(a - logsumexp(a, axis=-1, keepdims=True))
+    np.testing.assert_allclose(post.probs, r, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(post.log_marginal, logsumexp(a, axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(post.mean_temperature, r @ temps, rtol=1e-5)
+    np.testing.assert_allclose(post.mean_inverse_temperature, r @ (1 / temps), rtol=1e-5)
+    assert np.all(np.asarray(post.probs)[:, 0] == 0.0)
+    # non-finite: NaN probabilities, never a chosen rung; all rungs impossible: log Z = -inf
+    bad = jnp.array([[jnp.nan] + [0.0] * 6, [-jnp.inf] * 7, [jnp.inf] + [0.0] * 6])
+    post = posterior_from_arrays(bad, jnp.zeros(7), jnp.asarray(1 / temps), jnp.zeros(7))
+    assert np.all(np.isnan(np.asarray(post.probs)[:2])) and np.isnan(post.probs[2, 0])
+    assert np.isnan(post.log_marginal[0]) and post.log_marginal[1] == -np.inf
+    assert np.all(np.isnan(np.asarray(post.mean_inverse_temperature)))
+
+
+@pytest.mark.parametrize("local", [False, True])
+@pytest.mark.parametrize("joint", [False, True])
+def test_bound_at_the_optimum_equals_the_explicit_eq_13(local, joint):
+    from numpyro_tempering.objectives.multicanonical import multicanonical_elbo
+
+    s, b = 3, N
+    weights = _weights(KEY, s, b)
+    ladder = LADDER
+    by_temperature = None
+    if joint:  # some l_m that is not l / T_m
+        lik = weights.log_lik_elements if local else weights.log_lik
+        by_temperature = lik[..., None] / jnp.asarray(TEMPS) ** 1.3
+    plate_size = b if local else None
+    value, post = multicanonical_elbo(weights, ladder, plate_size,
+                                      log_lik_by_temperature=by_temperature)
+    explicit, _ = multicanonical_elbo(weights, ladder, plate_size, post.probs,
+                                      log_lik_by_temperature=by_temperature)
+    np.testing.assert_allclose(value, explicit, rtol=2e-6)
+    # and both are the hand-written eq. 13 at eq. 18's r
+    lik = np.asarray(weights.log_lik_elements if local else weights.log_lik, np.float64)
+    ell_m = (np.asarray(by_temperature, np.float64) if joint
+             else lik[..., None] / TEMPS)  # (S, [B,] M)
+    log_c = exact_element_log_c().T if local else exact_element_log_c().sum(1)
+    a = np.log(WEIGHTS) + ell_m.mean(0) - log_c
+    r = np.exp(a - logsumexp(a, axis=-1, keepdims=True))
+    np.testing.assert_allclose(post.probs, r, rtol=1e-5, atol=1e-7)
+    with np.errstate(divide="ignore", invalid="ignore"):  # r = 0 (underflow): 0 log 0 = 0
+        y_terms = np.sum(np.where(r > 0, r * (np.log(WEIGHTS) - log_c - np.log(r)), 0.0))
+    hand = np.mean(np.asarray(weights.log_prior - weights.log_q, np.float64)
+                   + np.sum(r * ell_m, axis=-1).reshape(s, -1).sum(-1)) + y_terms
+    np.testing.assert_allclose(value, hand, rtol=2e-6)
+    # the gradient flows through l only: d value / d l_n = E_r[1/T] (linear case)
+    if not joint:
+        grad = jax.grad(lambda e: multicanonical_elbo(
+            weights._replace(log_lik_elements=e, log_lik=e.sum(-1)), ladder, plate_size)[0])(
+                weights.log_lik_elements)
+        inv = (r @ (1 / TEMPS)) if local else np.full(b, r @ (1 / TEMPS))
+        np.testing.assert_allclose(grad, np.broadcast_to(inv / s, (s, b)), rtol=1e-5)

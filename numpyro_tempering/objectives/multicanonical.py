@@ -98,6 +98,7 @@ from numpyro_tempering.temperatures import TemperatureHistory as TemperatureHist
 from numpyro_tempering.temperatures import (
     TemperaturePosterior,
     element_log_partition,
+    record_names,
     temperature_posterior,
     update_records,
     warn_if_flagged,
@@ -157,12 +158,15 @@ def multicanonical_elbo(
     # never formed, and sum_m r_m l_m = E_r[1/T] l (the fused form)
     linear = log_lik_by_temperature is None
     base = weights.log_lik_elements if per_element else weights.log_lik  # (S, [B])
+    scale = weights.plate_scale if per_element else 1.0
+    # the expected log-likelihood l ((B,) per element, unscaled; () global), held fixed for
+    # q(y) (envelope theorem), and l_m at every rung ((B, M) or (M,))
+    mean_lik = jax.lax.stop_gradient(jnp.mean(base, axis=0) / scale)
+    if linear:
+        ell = mean_lik[..., None] * inv_t
+    else:
+        ell = jax.lax.stop_gradient(jnp.mean(log_lik_by_temperature, axis=0) / scale)
     if per_element:
-        scale = weights.plate_scale
-        if linear:
-            ell = (jnp.mean(base, axis=0) / scale)[:, None] * inv_t  # (B, M), unscaled
-        else:
-            ell = jnp.mean(log_lik_by_temperature, axis=0) / scale
         indices = weights.plate_indices
         if indices is None and ell.shape[0] != plate_size:
             raise ValueError(
@@ -170,24 +174,28 @@ def multicanonical_elbo(
                 "log c_n."
             )
         log_c = element_log_partition(ladder, plate_size, indices, dtype)
-    else:
-        scale = 1.0
-        ell = (
-            jnp.mean(base, axis=0) * inv_t if linear else jnp.mean(log_lik_by_temperature, axis=0)
-        )  # (M,)
-    # eq. 18 at the current ell, held fixed for the gradient (envelope theorem)
-    optimum = temperature_posterior(jax.lax.stop_gradient(ell), ladder, log_c=log_c)
+    # eq. 18 at the current ell
+    optimum = temperature_posterior(ell, ladder, log_c=log_c)
     if probs is None:
         posterior = optimum
+        # y-only terms at the optimum, where log r_m = l_m + log pi_m - log C_m - log Z
+        # (eq. 18): sum_m r_m (log pi_m - log C_m - log r_m) = log Z - sum_m r_m l_m, and
+        # sum_m r_m l_m = E_r[1/T] l when l_m = l / T_m -- no second (B, M) pass
+        expected_ell = (
+            mean_lik * optimum.mean_inverse_temperature
+            if linear
+            else jnp.sum(optimum.probs * ell, axis=-1)
+        )
+        const = optimum.log_marginal - expected_ell
     else:
         r = jnp.asarray(probs, dtype)
         posterior = TemperaturePosterior(
             r, jnp.sum(r / inv_t, axis=-1), jnp.sum(r * inv_t, axis=-1), optimum.log_marginal
         )
+        # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
+        log_r = jnp.log(jnp.where(r > 0, r, 1.0))
+        const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
     r = posterior.probs
-    # y-only terms: sum_m r_m (log pi_m - log C_m - log r_m), with 0 log 0 = 0
-    log_r = jnp.log(jnp.where(r > 0, r, 1.0))
-    const = jnp.sum(jnp.where(r > 0, r * (log_pi - log_c - log_r), 0.0), axis=-1)
     if linear:
         expected = base * posterior.mean_inverse_temperature  # (S,) or (S, B)
     else:
@@ -319,10 +327,13 @@ class MulticanonicalELBO(EngineELBO):
     def _weights(self, rng_key, param_map, model, guide, args, kwargs):
         """Log weights, and the tempered log-likelihood at every rung if ``joint``."""
 
+        records = record_names(param_map)  # per step, not per particle: kept for S > 1
+
         def at(temperature: Any) -> LogWeights:
             tempered = self.tempered_model(model, temperature)
             return self.log_weights(
-                rng_key, param_map, tempered, guide, args, kwargs, plate=self.plate
+                rng_key, param_map, tempered, guide, args, kwargs, plate=self.plate,
+                shared_state=records,
             )
 
         if not self.selection.joint:
