@@ -159,6 +159,20 @@ def test_smc_is_within_a_tenth_of_a_nat_and_its_error_bar_covers_the_truth(estim
     np.testing.assert_allclose(np.asarray(est.element_log_c).sum(1), log_c, rtol=1e-4, atol=1e-2)
 
 
+def test_smc_in_float64_is_float64_and_as_accurate():
+    # the SMC path end to end with x64 on (blackjax's kernels, the Laplace reference, the
+    # replicate average): float64 out, within the reported error of the quadrature
+    temps = np.array([1.0, 2.5, 10.0])
+    with jax.enable_x64(True), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a trustworthy estimate is silent
+        est = log_partition(KEY, bb_model, temps, jnp.zeros(N), num_particles=128)
+    assert est.method == "smc" and est.log_c.dtype == jnp.float64
+    exact = np.array([bb_exact(T) for T in temps])
+    err = np.abs(np.asarray(est.log_c) - exact)
+    assert np.all(err <= K_SE * np.asarray(est.stderr) + 1e-9) and np.all(err < 0.1), err
+    assert not est.flagged.any()
+
+
 def test_the_old_estimator_is_flagged_where_smc_is_not(estimates):
     est, exact = estimates["lognormal_regression"]
     with pytest.warns(UserWarning, match="cannot be trusted"):
