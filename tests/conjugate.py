@@ -39,6 +39,13 @@ def tempered_posterior(beta: float = 1.0, x=X) -> tuple[float, float]:
     return mean, precision**-0.5
 
 
+def normal_log_z(T, sigma):
+    """log int N(x | mu, sigma)^(1/T) dx = (1 - 1/T)/2 log(2 pi sigma^2) + log(T)/2: the
+    tempered normaliser of one Normal observation (free of mu)."""
+    t = np.asarray(T, np.float64)
+    return 0.5 * (1 - 1 / t) * np.log(2 * np.pi * np.asarray(sigma) ** 2) + 0.5 * np.log(t)
+
+
 def tempered_log_evidence(beta: float = 1.0, x=X) -> float:
     """log int N(mu | M0, S0) prod_n N(x_n | mu, SIGMA)^beta dmu.
 
@@ -47,7 +54,7 @@ def tempered_log_evidence(beta: float = 1.0, x=X) -> float:
     x = np.asarray(x, np.float64)
     n = x.shape[0]
     cov = SIGMA**2 / beta * np.eye(n) + S0**2 * np.ones((n, n))
-    per_point = 0.5 * (1 - beta) * np.log(2 * np.pi * SIGMA**2) - 0.5 * np.log(beta)
+    per_point = normal_log_z(1.0 / beta, SIGMA)
     return n * per_point + scipy.stats.multivariate_normal(np.full(n, M0), cov).logpdf(x)
 
 
@@ -69,5 +76,5 @@ def joint_mixture_log_c(temps, n: int = 1) -> np.ndarray:
     """log C(T) of ``mixture_model`` on n points, jointly tempered: n log sum_k w_k^(1/T)
     Z_k(T), with Z_k(T) = (2 pi s_k^2)^((1 - 1/T)/2) T^(1/2)."""
     t = np.asarray(temps, np.float64)[:, None]
-    log_z = 0.5 * (1 - 1 / t) * np.log(2 * np.pi * S_MIX**2) + 0.5 * np.log(t)
+    log_z = normal_log_z(t, S_MIX)
     return n * scipy.special.logsumexp(np.log(W_MIX) / t + log_z, axis=-1)
