@@ -142,7 +142,8 @@ def posterior_from_arrays(
     inverse_temperatures: jax.Array,
     log_c: jax.Array,
 ) -> TemperaturePosterior:
-    r"""Eq. 18 on plain arrays (``(..., M)``, broadcasting): what
+    r"""Eq. 18 on plain arrays (``(..., M)``, broadcasting; ``inverse_temperatures`` is
+    the ladder's ``(M,)``): what
     :func:`temperature_posterior` computes for a :class:`~numpyro_tempering.ladder.Ladder`,
     for code that carries the ladder as arrays inside ``jit`` (e.g. the conjugate LDA
     route's per-document sweep).
@@ -162,19 +163,19 @@ def posterior_from_arrays(
         >>> [round(float(p), 4) for p in post.probs], round(float(post.log_marginal), 4)
         ([0.3775, 0.6225], -2.7191)
     """
-    logits = log_prior + tempered_log_lik - log_c
     inv_t = jnp.asarray(inverse_temperatures)
+    if inv_t.ndim != 1:
+        raise ValueError(
+            f"`inverse_temperatures` must be the ladder's (M,), got shape {inv_t.shape}."
+        )
+    logits = log_prior + tempered_log_lik - log_c
     shift = jnp.max(logits, axis=-1, keepdims=True)
     shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(shift), shift, 0.0))
     e = jnp.exp(logits - shift)
-    if inv_t.ndim == 1:  # one product for the three sums (no second pass of exponentials)
-        columns = jnp.stack([jnp.ones_like(inv_t), 1.0 / inv_t, inv_t], axis=-1)
-        sums = jnp.matmul(e, columns.astype(e.dtype), precision=jax.lax.Precision.HIGHEST)
-        total, sum_t, sum_inv_t = sums[..., 0], sums[..., 1], sums[..., 2]
-    else:
-        total = jnp.sum(e, axis=-1)
-        sum_t = jnp.sum(e / inv_t, axis=-1)
-        sum_inv_t = jnp.sum(e * inv_t, axis=-1)
+    # one product for the three sums (no second pass over e)
+    columns = jnp.stack([jnp.ones_like(inv_t), 1.0 / inv_t, inv_t], axis=-1).astype(e.dtype)
+    sums = jnp.matmul(e, columns, precision=jax.lax.Precision.HIGHEST)
+    total, sum_t, sum_inv_t = sums[..., 0], sums[..., 1], sums[..., 2]
     return TemperaturePosterior(
         e / total[..., None],
         sum_t / total,

@@ -208,6 +208,8 @@ def test_fused_posterior_matches_logsumexp_and_keeps_non_finite_as_nan():
     assert np.all(np.isnan(np.asarray(post.probs)[:2])) and np.isnan(post.probs[2, 0])
     assert np.isnan(post.log_marginal[0]) and post.log_marginal[1] == -np.inf
     assert np.all(np.isnan(np.asarray(post.mean_inverse_temperature)))
+    with pytest.raises(ValueError, match="`inverse_temperatures` must be the ladder's"):
+        posterior_from_arrays(bad, jnp.zeros(7), jnp.ones((3, 7)), jnp.zeros(7))
 
 
 @pytest.mark.parametrize("local", [False, True])
