@@ -18,10 +18,14 @@ def blocks(page: Path) -> list[str]:
     return BLOCK.findall(page.read_text())
 
 
-def run_blocks(page: Path) -> None:
+def run_blocks(page: Path) -> int:
+    """Run the page's ``python`` blocks in order, in one namespace; the number run (a block
+    that raises fails the test)."""
     namespace: dict = {"__name__": f"docs_{page.stem}"}
-    for i, code in enumerate(blocks(page)):
+    code_blocks = blocks(page)
+    for i, code in enumerate(code_blocks):
         exec(compile(code, f"{page.name}[block {i}]", "exec"), namespace)
+    return len(code_blocks)
 
 
 def unit_class(page: Path) -> type:
@@ -29,7 +33,7 @@ def unit_class(page: Path) -> type:
 
     def test_code_blocks_run(self, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
         monkeypatch.chdir(tmp_path)
-        run_blocks(page)
+        assert run_blocks(page) == len(blocks(page)) > 0
 
     body = {"test_code_blocks_run": test_code_blocks_run, "__module__": __name__}
     return type(f"Test_{page.stem}", (), body)

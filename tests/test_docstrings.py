@@ -38,17 +38,17 @@ MODULES = sorted(
 )
 
 
-def run_examples(name: str) -> None:
-    module = importlib.import_module(name)
-    failures, _ = doctest.testmod(module, optionflags=FLAGS)
-    assert failures == 0
+def run_examples(name: str) -> doctest.TestResults:
+    """Run module ``name``'s docstring examples; (failed, attempted)."""
+    return doctest.testmod(importlib.import_module(name), optionflags=FLAGS)
 
 
 def unit_class(name: str) -> type:
     """``Test_<module>``, holding the one test ``test_docstring_examples`` of ``name``."""
 
     def test_docstring_examples(self) -> None:
-        run_examples(name)
+        result = run_examples(name)
+        assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed"
 
     short = name.removeprefix("numpyro_tempering.").replace(".", "_")
     body = {"test_docstring_examples": test_docstring_examples, "__module__": __name__}

@@ -30,7 +30,7 @@ KEY = jax.random.PRNGKey(0)
 TEMPS = np.array([1.0, 1.5, 3.0, 10.0])
 
 
-def within_se(est, exact, k=4.0, atol=2e-4):
+def assert_within_se(est, exact, k=4.0, atol=2e-4):
     """|estimate - exact| <= k standard errors (+ float32 slack), at every temperature."""
     err = np.abs(np.asarray(est.log_c) - np.asarray(exact))
     bound = k * np.asarray(est.stderr) + atol * np.maximum(1.0, np.abs(exact))
@@ -83,7 +83,7 @@ def test_normal_unknown_scale_agrees_within_standard_error():
         method="prior",
     )
     exact = normal_scale_log_c(TEMPS)
-    within_se(est, exact)
+    assert_within_se(est, exact)
     assert np.all(np.asarray(est.stderr)[1:] > 0)  # the estimate really is random
     assert np.all(np.asarray(est.stderr) < 0.05)
     # the error bar is calibrated: the error is not orders of magnitude below the SE either
@@ -148,7 +148,7 @@ def test_beta_bernoulli_agrees_with_closed_form(bb_estimates):
     est, _ = bb_estimates
     exact = np.array([bb_log_c(T) for T in TEMPS])
     assert exact[0] == pytest.approx(0.0, abs=1e-12)
-    within_se(est, exact)
+    assert_within_se(est, exact)
     assert np.all(np.asarray(est.stderr)[1:] > 1e-4)
 
 
@@ -240,7 +240,7 @@ def test_discrete_model_agrees_with_brute_force(plate, num_inner):
         num_inner=num_inner,
         method="prior",
     )
-    within_se(est, exact)
+    assert_within_se(est, exact)
     assert float(est.log_c[0]) == pytest.approx(0.0, abs=1e-5)
     assert np.all(np.asarray(est.stderr)[1:] > 1e-4)
 
@@ -362,7 +362,7 @@ def test_untempered_factor_is_an_importance_weight():
         KEY, model, TEMPS, jnp.zeros(N_NORMAL), exclude="penalty", num_samples=4000,
         method="prior",
     )
-    within_se(est, normal_log_c(TEMPS) - 0.5 * math.log(2.0))
+    assert_within_se(est, normal_log_c(TEMPS) - 0.5 * math.log(2.0))
 
 
 def _scale_local_model(x):
@@ -415,7 +415,7 @@ def test_trustworthy_estimate_is_silent():
         )
     assert not est.flagged.any()
     assert np.all(np.asarray(est.pareto_k)[1:] < 0.5)
-    within_se(est, normal_scale_log_c(TEMPS))
+    assert_within_se(est, normal_scale_log_c(TEMPS))
 
 
 @pytest.mark.parametrize("k", [0.2, 0.5, 0.8, 1.2])
