@@ -263,42 +263,68 @@ def test_fit_rejects_bad_arguments(tiny):
 # -- multicanonical ----------------------------------------------------------------------------
 
 
-def test_multicanonical_q_y_is_eq18_per_document(tiny):
-    """At the local fixed point, q(y_d) is eq. 18 for the document's own phi and gamma, and
-    its E[1/T] is what its statistics were scaled by."""
+@pytest.mark.parametrize("topics", ["expected", "mean"])
+def test_multicanonical_q_y_is_eq18_over_anchor_fits(tiny, topics):
+    """The multicanonical local step, by hand: each document is fitted at every anchor
+    temperature (the plain tempered fixed point, checked by the NumPy reference above), each
+    rung takes the best anchor tangent B_j + (h_m - h_j) ell_j (B the tempered local bound,
+    ell = E[log p(w, z | theta, beta)], both under the topics the temperature conditions
+    on), q(y_d) is eq. 18 of those, and the statistics are sum_m r_m h_m n phi_j(m)."""
+    from scipy.special import gammaln
+
     corpus, _ = tiny
-    temps = np.array([1.0, 2.0, 4.0])
-    log_pi = np.log(np.array([0.5, 0.3, 0.2]))
-    log_c = np.outer(corpus.lengths[:6], [0.0, 0.5, 0.9])
+    temps = np.array([1.0, 1.5, 2.0, 3.0, 4.0])
+    anchors = np.array([1.0, 2.0, 4.0])
+    log_pi = np.log(np.array([0.3, 0.2, 0.2, 0.2, 0.1]))
+    log_c = np.outer(corpus.lengths[:6], [0.0, 0.3, 0.5, 0.7, 0.9])
     with jax.enable_x64(True):
-        cfg = lda_svi.config(K, V, 100, tol=1e-12, max_doc_iter=500)
+        cfg = lda_svi.config(K, V, 100, tol=1e-12, max_doc_iter=500)._replace(mvi_topics=topics)
         lam = jnp.asarray(lda_svi.init_state(0, K, V, jnp.float64).lam)
-        out = _local(cfg, lam, jnp.asarray(corpus.ids[:6]),
-                                 jnp.asarray(corpus.counts[:6], float), jnp.ones((6, K)),
-                                 (1.0 / temps, log_pi, log_c))
-    elog_beta = digamma(np.asarray(lam)) - digamma(np.asarray(lam).sum(1))[:, None]
-    for d, (ids, cnt) in enumerate(_docs(corpus, range(6))):
-        gamma = np.asarray(out.gamma[d])
-        inv_t = float(np.asarray(out.q_y[d]) @ (1.0 / temps))
-        elog_theta = digamma(gamma) - digamma(gamma.sum())
-        logits = elog_theta[:, None] + elog_beta[:, ids]
-        phi = softmax(inv_t * logits, axis=0)
-        ell = np.sum(cnt * phi * logits)
-        r = softmax(ell / temps - log_c[d] + log_pi)
+        ids, cnts = jnp.asarray(corpus.ids[:6]), jnp.asarray(corpus.counts[:6], float)
+        out = _local(cfg, lam, ids, cnts, jnp.ones((6, K)),
+                     (1.0 / temps, log_pi, 1.0 / anchors, log_c))
+        fits = [_local(cfg, lam, ids, cnts, jnp.ones((6, K)), 1.0 / t) for t in anchors]
+    lam = np.asarray(lam)
+    if topics == "expected":
+        score_beta = digamma(lam) - digamma(lam.sum(1))[:, None]
+    else:
+        score_beta = np.log(lam / lam.sum(1, keepdims=True))
+    alpha = 1.0 / K
+    for d, (w, cnt) in enumerate(_docs(corpus, range(6))):
+        bounds, ells, stats = [], [], []
+        for j, t in enumerate(anchors):
+            gamma = np.asarray(fits[j].gamma[d])
+            elog_theta = digamma(gamma) - digamma(gamma.sum())
+            logits = elog_theta[:, None] + score_beta[:, w]  # (K, L)
+            phi = softmax(logits / t, axis=0)
+            free = np.sum(cnt * logsumexp(logits / t, axis=0))
+            log_p = gammaln(K * alpha) - K * gammaln(alpha) + (alpha - 1) * elog_theta.sum()
+            log_q = (gammaln(gamma.sum()) - gammaln(gamma).sum()
+                     + ((gamma - 1) * elog_theta).sum())
+            bounds.append(free + log_p - log_q)
+            ells.append(np.sum(cnt * phi * logits))
+            stats.append(np.asarray(fits[j].sstats[d]) * t)  # n phi
+        tangents = (np.array(bounds)[:, None]
+                    + (1 / temps[None, :] - 1 / anchors[:, None]) * np.array(ells)[:, None])
+        r = softmax(tangents.max(0) - log_c[d] + log_pi)
         np.testing.assert_allclose(np.asarray(out.q_y[d]), r, atol=1e-8)
-        np.testing.assert_allclose(gamma, 1.0 / K + inv_t * (phi * cnt).sum(1), rtol=1e-8)
-        assert float(out.inv_temperature[d]) == pytest.approx(inv_t)
+        best = tangents.argmax(0)
+        expected = sum((r * (best == j) / temps).sum() * stats[j] for j in range(len(anchors)))
+        np.testing.assert_allclose(np.asarray(out.sstats[d]), expected, rtol=1e-7, atol=1e-12)
+        assert float(out.inv_temperature[d]) == pytest.approx(float(r @ (1 / temps)))
 
 
 def test_multicanonical_single_rung_is_t1(split):
-    """A ladder with the single rung T = 1 is plain online VB."""
+    """A ladder with the single rung T = 1 is plain online VB, with log C given or with the
+    exact conditional normaliser (log C_d(1) = 0)."""
     train = split[0]
     ladder = lda_svi.Multicanonical(np.array([1.0]), np.array([0.0]),
                                     lambda lengths: np.zeros((len(lengths), 1)))
-    a = lda_svi.fit(train, K, passes=1, temperature=ladder, **SK)
     b = lda_svi.fit(train, K, passes=1, temperature=1.0, **SK)
-    np.testing.assert_allclose(a.lam, b.lam, rtol=1e-4)
-    np.testing.assert_allclose(a.temperatures, 1.0)
+    for mc in (ladder, ladder._replace(log_c_per_length=None)):
+        a = lda_svi.fit(train, K, passes=1, temperature=mc, **SK)
+        np.testing.assert_allclose(a.lam, b.lam, rtol=1e-4)
+        np.testing.assert_allclose(a.temperatures, 1.0)
 
 
 def test_document_log_partition_matches_its_monte_carlo_definition():

@@ -82,6 +82,7 @@ import numpy as np
 from jax import lax
 
 from numpyro_tempering import schedules
+from numpyro_tempering.models import lda_partition
 from numpyro_tempering.models.corpora import Corpus
 from numpyro_tempering.temperatures import posterior_from_arrays
 
@@ -118,7 +119,8 @@ class LDAConfig(NamedTuple):
     ``num_docs`` is D, the corpus size the minibatch statistics are scaled to; ``alpha``
     and ``eta`` are the Dirichlet concentrations (the paper's 1/K by default in
     :func:`config`); ``tau``, ``kappa`` the Robbins-Monro step sizes; ``max_doc_iter`` and
-    ``tol`` the per-document stopping rule.
+    ``tol`` the per-document stopping rule; ``mvi_topics`` the topics the multicanonical
+    temperature posterior conditions on (:class:`Multicanonical`, set by :func:`fit`).
     """
 
     num_topics: int
@@ -130,6 +132,7 @@ class LDAConfig(NamedTuple):
     kappa: float = PAPER["kappa"]
     max_doc_iter: int = 100
     tol: float = 1e-3
+    mvi_topics: str = "mean"
 
 
 def config(
@@ -182,16 +185,78 @@ class OnlineLDAState(NamedTuple):
 
 
 class Multicanonical(NamedTuple):
-    r"""A temperature ladder for MVI with per-document :math:`\log C_d(T_m)`.
+    r"""A temperature ladder for MVI: a temperature per document (Mandt et al. 2016, eq. 18).
 
-    ``temperatures`` (M,) with ``T_1 = 1``; ``log_weights`` :math:`\log\pi_m` (M,);
-    ``log_c_per_length(lengths) -> (n, M)`` gives :math:`\log C_d(T_m)` for documents of
-    the given lengths (e.g. :func:`document_log_partition`).
+    ``temperatures`` (M,) with ``T_1 = 1``; ``log_weights`` :math:`\log\pi_m` (M,)
+    (every minibatch's :math:`q(y_d)` starts at :math:`\pi`).
+
+    ``log_c_per_length``: ``None`` (the default) uses the exact per-document normaliser
+    conditional on the current topics, :math:`\log C_d(T_m\mid\beta)`
+    (:func:`numpyro_tempering.models.lda_partition.conditional_log_partition`: the
+    normaliser that makes a model with a temperature per document proper), recomputed from
+    :math:`\lambda` before the first update and then whenever the step sizes summed since
+    the last computation reach ``refresh`` (:math:`\lambda` has moved by about that
+    fraction; 0 recomputes before every update); its cost is reported apart as
+    ``FitResult.log_c_seconds``. A callable ``lengths -> (n, M)`` fixes :math:`\log C_d`
+    for the whole fit instead (e.g. the supplement's prior Monte Carlo,
+    :func:`document_log_partition`, kept for comparison: biased low for long documents).
+
+    ``topics``: which topics the temperature posterior conditions on. ``"mean"`` (default):
+    the posterior mean :math:`\bar\beta = \lambda/\sum_v\lambda`, in both the
+    documents' bounds and :math:`C_d(T\mid\bar\beta)` -- eq. 18 for the model given the
+    current topics. ``"expected"``: the M-ELBO's expectation over :math:`q(\beta)` in both
+    (:math:`\mathbb E_q\log\beta` and :math:`\mathbb E_q[b_k(T)]`); then :math:`q(\beta)`'s
+    own uncertainty, a Jensen gap :math:`\log\mathbb E\beta - \mathbb E\log\beta` per word
+    that eq. 18 divides by :math:`T_m`, favours hot rungs for as long as the topics are
+    uncertain, and tempered updates keep them uncertain: on small corpora MVI then stays hot
+    (docs/lda.md, "Why MVI heated up").
+
+    ``anchors``: the number of rungs each document is fitted at (:func:`local_step`):
+    evenly spaced along the ladder, T = 1 and the hottest included; the cost of the local
+    step grows with it.
+
+    :meth:`paper` gives the paper's ladder: 100 temperatures from 1 to 10 on a geometric
+    scale, uniform prior and uniform initial :math:`q(y_d)` (Mandt et al. 2016, section 4).
+
+    Example:
+        >>> mc = Multicanonical.paper()
+        >>> mc.temperatures.shape, float(mc.temperatures[-1]), mc.topics
+        ((100,), 10.0, 'mean')
+        >>> mc.anchor_temperatures().round(2).tolist()
+        [1.0, 2.15, 4.64, 10.0]
     """
 
     temperatures: np.ndarray
     log_weights: np.ndarray
-    log_c_per_length: Callable[[np.ndarray], np.ndarray]
+    log_c_per_length: Callable[[np.ndarray], np.ndarray] | None = None
+    refresh: float = 0.05
+    anchors: int = 4
+    topics: str = "mean"
+
+    def anchor_temperatures(self) -> np.ndarray:
+        """The ``anchors`` rungs each document is fitted at (:func:`local_step`): evenly
+        spaced in the ladder's order, the first (T = 1) and the last always included."""
+        temps = np.asarray(self.temperatures, np.float64)
+        if int(self.anchors) != self.anchors or self.anchors < 1:
+            raise ValueError(f"`anchors` must be a positive integer, got {self.anchors!r}.")
+        if temps.ndim != 1 or temps.size == 0 or temps[0] != 1.0:
+            raise ValueError("`temperatures` must be a 1-D ladder starting at T = 1.")
+        idx = np.unique(np.round(np.linspace(0, temps.size - 1, int(self.anchors))).astype(int))
+        return temps[idx]
+
+    @classmethod
+    def paper(cls, num_temperatures: int = 100, max_temperature: float = 10.0, *,
+              refresh: float = 0.05) -> Multicanonical:
+        r"""The paper's ladder: geometric temperatures 1..``max_temperature``, uniform
+        :math:`\pi`, the conditional exact :math:`\log C_d` (Mandt et al. 2016, section 4)."""
+        if int(num_temperatures) != num_temperatures or num_temperatures < 1:
+            raise ValueError(f"`num_temperatures` must be a positive integer, got "
+                             f"{num_temperatures!r}.")
+        if not (math.isfinite(max_temperature) and max_temperature >= 1.0):
+            raise ValueError(f"`max_temperature` must be finite and >= 1, got "
+                             f"{max_temperature!r}.")
+        temps = np.geomspace(1.0, max_temperature, int(num_temperatures))
+        return cls(temps, np.full(temps.size, -math.log(temps.size)), None, refresh)
 
 
 class StepInfo(NamedTuple):
@@ -389,33 +454,80 @@ def _fixed_sweep(alpha, eps):
     return sweep
 
 
-def _phi(elog_w, elog_theta_rows, inv_t_rows):
-    r"""(R, W, K) assignments :math:`\phi \propto \exp\{(E\log\theta + E\log\beta)/T\}`."""
-    logits = elog_w + elog_theta_rows[:, None, :]
-    return jax.nn.softmax(inv_t_rows[:, None, None] * logits, axis=-1), logits
+def _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc):
+    """Local fixed point at a fixed 1/T per document (``inv_t`` (B,)): scikit-learn's
+    arithmetic. Returns gamma, the rows' n phi / T statistics and the sweeps."""
+    dtype = elog_w.dtype
+    inv_t_rows = _per_row(inv_t, row_doc)
+    ew = jnp.exp(inv_t_rows[:, None, None] * elog_w)  # exp(E[log beta] / T_d): (R, W, K)
+    eps = jnp.finfo(dtype).eps
+    alpha = jnp.asarray(cfg.alpha, dtype)
+    gamma, iters = _fixed_point(_fixed_sweep(alpha, eps), gamma0, inv_t, (ew, counts),
+                                row_doc, cfg.max_doc_iter, cfg.tol)
+    et = _per_row(jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma)), row_doc)
+    norm = jnp.einsum("rwk,rk->rw", ew, et) + eps
+    sstats = inv_t_rows[:, None, None] * (counts / norm)[..., None] * ew * et[:, None, :]
+    return gamma, sstats, iters
 
 
-def _multicanonical_sweep(alpha, inv_temps, log_pi):
-    """One sweep of each document with its own q(y_d): phi and gamma at E[1/T_y], then r by
-    eq. 18 (Mandt et al. 2016) for this document."""
+def _local_bound(cfg, elog_w, counts, gamma, inv_t, row_doc):
+    r"""Per document, at its own fixed :math:`h = 1/T` and fitted :math:`q(	heta) =
+    \mathrm{Dir}(\gamma)` with the optimal :math:`q(z)`: the tempered local bound
+    :math:`B = \mathbb E\log p(	heta) - \mathbb E\log q(	heta) + \sum_v n_v
+    \log\sum_k e^{h(\mathbb E\log	heta_k + \mathbb E\logeta_{kv})}` and its slope in
+    :math:`h`, :math:`\ell = \mathbb E_q[\log p(w, z\mid	heta,eta)]`."""
+    num = gamma.shape[0]
+    k = gamma.shape[1]
+    elog_theta = expected_log_dirichlet(gamma)
+    logits = elog_w + _per_row(elog_theta, row_doc)[:, None, :]  # (R, W, K)
+    scaled = _per_row(inv_t, row_doc)[:, None, None] * logits
+    phi = jax.nn.softmax(scaled, axis=-1)
+    free = jax.ops.segment_sum(jnp.sum(counts * jax.nn.logsumexp(scaled, axis=-1), axis=1),
+                               row_doc, num)
+    ell = jax.ops.segment_sum(jnp.einsum("rw,rwk->r", counts, phi * logits), row_doc, num)
+    alpha = jnp.asarray(cfg.alpha, gamma.dtype)
+    log_p = (jax.scipy.special.gammaln(k * alpha) - k * jax.scipy.special.gammaln(alpha)
+             + (alpha - 1) * jnp.sum(elog_theta, axis=1))
+    log_q = (jax.scipy.special.gammaln(jnp.sum(gamma, axis=1))
+             - jnp.sum(jax.scipy.special.gammaln(gamma), axis=1)
+             + jnp.sum((gamma - 1) * elog_theta, axis=1))
+    return free + log_p - log_q, ell
 
-    def sweep(carry, log_c, rows, row_doc):
-        gamma, r = carry
-        elog_w, cnt = rows
-        num = gamma.shape[0]
-        inv_t = r @ inv_temps
-        inv_t_rows = _per_row(inv_t, row_doc)
-        phi, _ = _phi(elog_w, _per_row(expected_log_dirichlet(gamma), row_doc), inv_t_rows)
-        new = alpha + inv_t[:, None] * jax.ops.segment_sum(
-            jnp.einsum("rw,rwk->rk", cnt, phi), row_doc, num)
-        phi, logits = _phi(elog_w, _per_row(expected_log_dirichlet(new), row_doc), inv_t_rows)
-        ell = jax.ops.segment_sum(jnp.einsum("rw,rwk->r", cnt, phi * logits), row_doc, num)
-        new_r = posterior_from_arrays(inv_temps * ell[:, None], log_pi, inv_temps, log_c).probs
-        change = jnp.maximum(jnp.mean(jnp.abs(new - gamma), axis=-1),
-                             jnp.max(jnp.abs(new_r - r), axis=-1))
-        return (new, new_r), change
 
-    return sweep
+def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
+    r"""The multicanonical local step with one local fit per anchor temperature (see
+    :func:`local_step`): returns gamma (of each document's heaviest anchor), the
+    statistics :math:`\sum_m r_m h_m n\phi_{j(m)}`, :math:`\mathbb E_r[1/T]`, the sweeps and
+    :math:`r`."""
+    inv_temps, log_pi, anchors, log_c = ladder
+    batch, num_anchors = gamma0.shape[0], anchors.shape[0]
+    rows = counts.shape[0]
+    shift = batch * jnp.arange(num_anchors)[:, None]
+    tiled_doc = jnp.where(row_doc[None, :] < batch, row_doc[None, :] + shift,
+                          num_anchors * batch).reshape(-1)
+    tiled_w = jnp.tile(elog_w, (num_anchors, 1, 1))
+    tiled_cnt = jnp.tile(counts, (num_anchors, 1))
+    inv_t = jnp.repeat(anchors, batch)
+    gamma, sstats, iters = _tempered_fit(cfg, tiled_w, tiled_cnt,
+                                         jnp.tile(gamma0, (num_anchors, 1)), inv_t, tiled_doc)
+    score_w = tiled_w if score_w is None else jnp.tile(score_w, (num_anchors, 1, 1))
+    bound, ell = _local_bound(cfg, score_w, tiled_cnt, gamma, inv_t, tiled_doc)
+    bound, ell = bound.reshape(num_anchors, batch), ell.reshape(num_anchors, batch)
+    # tangent of anchor j at rung m: a lower bound on rung m's best local bound
+    tangents = bound[..., None] + (inv_temps - anchors[:, None])[:, None, :] * ell[..., None]
+    best = jnp.argmax(tangents, axis=0)  # (B, M): the anchor serving each rung
+    r = posterior_from_arrays(jnp.max(tangents, axis=0), log_pi, inv_temps, log_c).probs
+    served = best[None] == jnp.arange(num_anchors)[:, None, None]  # (J, B, M)
+    weight = jnp.sum(jnp.where(served, r * inv_temps, 0.0), axis=-1)  # (J, B)
+    row_weight = jnp.take(weight / anchors[:, None], jnp.minimum(row_doc, batch - 1), axis=1)
+    row_weight = jnp.where(row_doc[None, :] < batch, row_weight, 0.0)  # (J, R)
+    stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats.reshape(num_anchors, rows,
+                                                                   *sstats.shape[1:]))
+    mass = jnp.sum(jnp.where(served, r, 0.0), axis=-1)  # (J, B)
+    heaviest = jnp.argmax(mass, axis=0)
+    gamma = gamma.reshape(num_anchors, batch, -1)[heaviest, jnp.arange(batch)]
+    iters = jnp.sum(iters.reshape(num_anchors, batch), axis=0)
+    return LocalResult(gamma, stats, r @ inv_temps, iters, r)
 
 
 def local_step(
@@ -432,13 +544,36 @@ def local_step(
     ``ids``, ``counts``: (R, W) padded rows of ``(index, count)`` pairs; ``row_doc`` (R,):
     the document (in ``[0, B)``; ``>= B`` for padding rows) of each row, so that long
     documents span several rows (default: row d is document d). ``gamma0``: (B, K) initial
-    :math:`\gamma`; ``inv_temperature``: :math:`1/T` (scalar or (B,)), or for MVI a tuple
-    ``(1/T_m (M,), log pi (M,), log C_d(T_m) (B, M))`` (then :math:`q(y_d)` starts at
-    :math:`\pi`). Each document iterates until the mean absolute change of its
-    :math:`\gamma_d` (MVI: and of :math:`r_d`) is below ``cfg.tol``, at most
-    ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient
+    :math:`\gamma`; ``inv_temperature``: :math:`1/T` (scalar or (B,)). Each document
+    iterates until the mean absolute change of its :math:`\gamma_d` is below ``cfg.tol``, at
+    most ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient
     statistics :math:`n_{dv}\phi_{dvk}/T_d` (R, W, K), the :math:`1/T_d` used, the sweeps
     per document and (MVI) :math:`q(y_d)`.
+
+    **Multicanonical** (``inv_temperature`` a tuple ``(1/T_m (M,), log pi (M,), anchors (J,),
+    log C_d(T_m) (B, M))``, ``anchors`` the inverse temperatures of J rungs, the first 1):
+    the family is :math:`q(y_d)\,q(\theta_d, z_d\mid y_d)` -- each document is fitted
+    once per anchor :math:`h_j` (its tempered fixed point at :math:`T = 1/h_j`, giving
+    the bound :math:`B_j` and :math:`\ell_j = \mathbb E[\log p(w_d, z_d\mid\theta_d,
+    \beta)]`), and rung m takes the anchor fit whose bound at :math:`h_m` is largest. The
+    tempered bound is convex in :math:`h` with slope :math:`\ell` (envelope theorem), so
+    :math:`B_j + (h_m - h_j)\ell_j` is that fit's exact bound at rung m, and eq. 18
+    (Mandt et al. 2016) for this family is
+
+    .. math::
+
+        r_{dm} \propto \pi_m\exp\Big\{\max_j\big[B_{dj} + (h_m - h_j)\ell_{dj}\big]
+            - \log C_d(T_m)\Big\}.
+
+    With one anchor at the document's :math:`\mathbb E[1/T_y]` this is the paper's
+    mean-field eq. 18 (:math:`\ell_d/T_m` up to a constant in m); that coupling has a hot
+    fixed point (a diffuse :math:`q(z, \theta)` fitted hot has a low :math:`\ell` at every
+    rung, which confirms the hot assignment: docs/lda.md, "Why MVI heated up"), which the
+    fixed anchors cannot fall into. The statistics are :math:`\sum_m r_{dm} h_m\, n_{dv}
+    \phi^{(j(m))}_{dvk}` (supplement eq. 9 per rung). :math:`B_j` and :math:`\ell_j` are
+    evaluated under the topics ``cfg.mvi_topics`` names (``"mean"``: :math:`\log\bar\beta`;
+    ``"expected"``: :math:`\mathbb E_q\log\beta`; see :class:`Multicanonical`); the fits
+    themselves use :math:`\mathbb E_q\log\beta` as always.
 
     Example:
         >>> cfg = config(2, 3, 10)
@@ -454,27 +589,15 @@ def local_step(
     batch = gamma0.shape[0]
     row_doc = jnp.arange(counts.shape[0]) if row_doc is None else jnp.asarray(row_doc)
     elog_w = _gather(expected_log_dirichlet(lam), jnp.asarray(ids))  # (R, W, K)
-    alpha = jnp.asarray(cfg.alpha, dtype)
     if isinstance(inv_temperature, tuple):
-        inv_temps, log_pi, log_c = (jnp.asarray(x, dtype) for x in inv_temperature)
-        r0 = jnp.broadcast_to(jax.nn.softmax(log_pi), (batch,) + log_pi.shape)
-        sweep = _multicanonical_sweep(alpha, inv_temps, log_pi)
-        (gamma, r), iters = _fixed_point(sweep, (gamma0, r0), log_c, (elog_w, counts),
-                                         row_doc, cfg.max_doc_iter, cfg.tol)
-        inv_t = r @ inv_temps
-        inv_t_rows = _per_row(inv_t, row_doc)
-        phi, _ = _phi(elog_w, _per_row(expected_log_dirichlet(gamma), row_doc), inv_t_rows)
-        sstats = inv_t_rows[:, None, None] * counts[..., None] * phi
-        return LocalResult(gamma, sstats, inv_t, iters, r)
+        ladder = tuple(jnp.asarray(x, dtype) for x in inv_temperature)
+        score_w = None
+        if cfg.mvi_topics == "mean":
+            log_mean = jnp.log(lam) - jnp.log(jnp.sum(lam, axis=1, keepdims=True))
+            score_w = _gather(log_mean, jnp.asarray(ids))
+        return _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w)
     inv_t = jnp.broadcast_to(jnp.asarray(inv_temperature, dtype), (batch,))
-    inv_t_rows = _per_row(inv_t, row_doc)
-    ew = jnp.exp(inv_t_rows[:, None, None] * elog_w)  # exp(E[log beta] / T_d): (R, W, K)
-    eps = jnp.finfo(dtype).eps
-    gamma, iters = _fixed_point(_fixed_sweep(alpha, eps), gamma0, inv_t, (ew, counts),
-                                row_doc, cfg.max_doc_iter, cfg.tol)
-    et = _per_row(jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma)), row_doc)
-    norm = jnp.einsum("rwk,rk->rw", ew, et) + eps
-    sstats = inv_t_rows[:, None, None] * (counts / norm)[..., None] * ew * et[:, None, :]
+    gamma, sstats, iters = _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc)
     return LocalResult(gamma, sstats, inv_t, iters, None)
 
 
@@ -567,7 +690,8 @@ class FitResult(NamedTuple):
     passing it to :func:`fit`); ``temperatures`` (steps,): T per update (MVI: mean
     :math:`\\mathbb E_{q(y_d)}[T]` over the minibatch); ``rho`` (steps,); ``seconds``: wall
     time of all updates after compilation; ``compile_seconds``; ``num_steps``;
-    ``docs_per_second``.
+    ``docs_per_second``; ``log_c_seconds``: the part of ``seconds`` spent recomputing
+    :math:`\\log C_d` from the topics (MVI with the conditional normaliser).
     """
 
     lam: np.ndarray
@@ -578,6 +702,7 @@ class FitResult(NamedTuple):
     compile_seconds: float
     num_steps: int
     docs_per_second: float
+    log_c_seconds: float = 0.0
 
 
 def _as_schedule(temperature) -> Callable | None:
@@ -808,6 +933,11 @@ def fit(
     dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
     mesh = as_mesh(mesh)
     schedule = _as_schedule(temperature)
+    if schedule is None:
+        if temperature.topics not in ("mean", "expected"):
+            raise ValueError(f"`Multicanonical.topics` must be 'mean' or 'expected', got "
+                             f"{temperature.topics!r}.")
+        cfg = cfg._replace(mvi_topics=temperature.topics)
     if schedule is not None and callable(temperature):
         schedules.validate(temperature, name="temperature")
     rng = np.random.default_rng(seed)
@@ -825,11 +955,17 @@ def fit(
     steps_per_pass = -(-num_docs // batch_size)
     num_steps = int(math.ceil(passes * num_docs / batch_size))
     first_step = int(state.step)
+    lengths = np.append(corpus.lengths, 0)  # the extra document D pads short minibatches
+    follow_topics = schedule is None and temperature.log_c_per_length is None
+    if follow_topics and not (math.isfinite(temperature.refresh) and temperature.refresh >= 0):
+        raise ValueError(f"`Multicanonical.refresh` must be a finite number >= 0, got "
+                         f"{temperature.refresh!r}.")
     if schedule is None:
-        lengths = np.append(corpus.lengths, 0)  # the extra document D pads short minibatches
-        all_log_c = jnp.asarray(temperature.log_c_per_length(lengths), dtype)
+        all_log_c = jnp.asarray(_log_c_table(temperature, state.lam, cfg.alpha, lengths),
+                                dtype)
         ladder = (jnp.asarray(1.0 / np.asarray(temperature.temperatures, np.float64), dtype),
-                  jnp.asarray(temperature.log_weights, dtype))
+                  jnp.asarray(temperature.log_weights, dtype),
+                  jnp.asarray(1.0 / temperature.anchor_temperatures(), dtype))
         temps_in = [ladder] * num_steps
     else:
         all_log_c = None
@@ -881,11 +1017,23 @@ def fit(
 
     bar = progress(num_steps, progress_bar)
     infos = []
+    log_c_seconds = 0.0
+    moved = 0.0  # step sizes summed since log C_d was last computed from the topics
     start = time.perf_counter()
-    for docs, sh, doc_rows, temp in zip(batches, doc_shards, rows, temps_in, strict=True):
+    for i, (docs, sh, doc_rows, temp) in enumerate(
+            zip(batches, doc_shards, rows, temps_in, strict=True)):
+        if follow_topics and i > 0 and moved >= temperature.refresh:
+            moved = 0.0
+            jax.block_until_ready(state.lam)
+            tick = time.perf_counter()
+            all_log_c = put(jnp.asarray(_log_c_table(temperature, state.lam, cfg.alpha,
+                                                     lengths), dtype), False)
+            log_c_seconds += time.perf_counter() - tick
         state, info = compiled(state, all_ids, all_counts, all_log_c,
                                *padded(docs, sh, doc_rows), first_gamma(), temp)
         infos.append(info)
+        if follow_topics:
+            moved += float(learning_rate(first_step + i, cfg.tau, cfg.kappa))
         if bar is not None:
             bar.update(1)
     lam = np.asarray(jax.block_until_ready(state.lam))
@@ -898,7 +1046,20 @@ def fit(
         lam = np.full_like(lam, np.nan)  # numerical trouble is NaN, never a finite guess
     total = float(sum(docs.size for docs in batches))
     return FitResult(lam, state, temps, rho, seconds, compile_seconds, num_steps,
-                     total / seconds if seconds > 0 else float("inf"))
+                     total / seconds if seconds > 0 else float("inf"), log_c_seconds)
+
+
+def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> np.ndarray:
+    """(D + 1, M) log C_d(T_m): the ladder's fixed function of length, or the exact
+    normaliser conditional on the current topics (lda_partition)."""
+    if mc.log_c_per_length is not None:
+        return np.asarray(mc.log_c_per_length(lengths))
+    table = lda_partition.conditional_log_partition(np.asarray(lam), mc.temperatures, alpha,
+                                                    lengths, topics=mc.topics)
+    if not np.all(np.isfinite(table)):
+        raise FloatingPointError("log C_d(T | topics) is not finite: the topics' Dirichlet "
+                                 "parameters are not finite and > 0.")
+    return table
 
 
 # -- evaluation --------------------------------------------------------------------------------
