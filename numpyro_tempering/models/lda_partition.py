@@ -175,14 +175,100 @@ def _length_table(log_b, inv_t, alpha, max_length):
     return jax.lax.map(one, (log_b, inv_t)).T  # (L+1, M)
 
 
+def _log_terms(log_b, inv_t, alpha, size):
+    """(M, size, K) log f_k(n) = n log b_k + log Gamma(alpha_k + n h) - log Gamma(alpha_k)
+    - log n!, n < size."""
+    n = jnp.arange(size, dtype=log_b.dtype)
+    return (n[None, :, None] * log_b[:, None, :]
+            + gammaln(alpha[None, None, :] + n[None, :, None] * inv_t[:, None, None])
+            - gammaln(alpha)[None, None, :] - gammaln(n + 1.0)[None, :, None])
+
+
+@jax.jit
+def _tilted_pass(log_f, rho):
+    """log of the coefficients c_L (L < log_f.shape[1]) of prod_k sum_n f_k(n) x^n for one
+    tilt rho per rung (log_f: (M, L+1, K)), by K direct convolutions in linear space: the
+    sequences tilted by e^(n rho) and scaled to their maxima, the running product rescaled
+    to its maximum after each topic (its log scale carried). Every coefficient is a sum of
+    positive terms, so it is exact to rounding wherever it does not underflow; ``rel`` is
+    log(coefficient / maximum), -inf where it underflowed (another tilt must supply it)."""
+    lengths = jnp.arange(log_f.shape[1], dtype=log_f.dtype)
+
+    def one(args):
+        lf, r = args
+        g = lf + lengths[:, None] * r
+        shift = jnp.max(g, axis=0)
+        x = jnp.exp(g - shift)  # (L+1, K), max 1 per topic
+
+        def convolve(carry, xk):
+            acc, scale = carry
+            acc = jnp.convolve(acc, xk, precision=jax.lax.Precision.HIGHEST)[: lf.shape[0]]
+            top = jnp.max(acc)
+            return (acc / top, scale + jnp.log(top)), None
+
+        (acc, scale), _ = jax.lax.scan(convolve, (x[:, 0], shift[0]), x[:, 1:].T)
+        rel = jnp.log(acc)
+        value = rel + scale + jnp.sum(shift[1:]) - lengths * r
+        return value, rel
+
+    return jax.lax.map(one, (log_f, rho), batch_size=4)
+
+
+#: documents up to this length get the log-space convolution (no tilt needed); longer ones
+#: tilted linear-space passes that continue from it
+EXACT_LENGTH = 128
+#: a pass's value is used where it is at least exp(-PASS_FLOOR) of the pass's maximum
+#: (float64 holds 1e-308: what is kept is a sum of terms none of which underflowed)
+PASS_FLOOR = 640.0
+
+
+def _windowed_table(log_b, inv_t, alpha, max_length, exact):
+    """Extend the log-coefficients known exactly for lengths <= EXACT_LENGTH ((M, E+1)) to
+    max_length by tilted linear-space passes (:func:`_tilted_pass`). Each pass is tilted by
+    minus the log-coefficients' slope at the frontier (the last length known), so that the
+    coefficients beyond it decay from about the scale they have there; it yields every
+    length whose coefficient stays within exp(-PASS_FLOOR) of the pass's maximum, and the
+    next pass starts from the new frontier. Lengths no pass reaches stay NaN."""
+    m = inv_t.shape[0]
+    log_f = _log_terms(jnp.asarray(log_b), jnp.asarray(inv_t), jnp.asarray(alpha),
+                       max_length + 1)
+    coef = np.full((m, max_length + 1), np.nan)
+    coef[:, : exact.shape[1]] = exact
+    known = np.zeros((m, max_length + 1), bool)
+    known[:, : exact.shape[1]] = True
+    rows = np.arange(m)
+    for _ in range(64):
+        frontier = np.cumprod(known, axis=1).sum(axis=1) - 1
+        active = frontier < max_length
+        if not np.any(active):
+            break
+        slope = coef[rows, frontier] - coef[rows, frontier - 1]
+        value, rel = (np.asarray(x) for x in _tilted_pass(log_f, jnp.asarray(
+            np.where(active, -slope, 0.0))))
+        fresh = (rel >= -PASS_FLOOR) & np.isfinite(value) & ~known & active[:, None]
+        coef = np.where(fresh, value, coef)
+        known |= fresh
+        if not np.any(fresh):
+            break
+    return np.where(known, coef, np.nan)
+
+
 def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
                          alpha: np.typing.ArrayLike, max_length: int) -> np.ndarray:
     r"""Exact :math:`\log C(T_m)` of a document of every length :math:`L = 0..`
     ``max_length``, (max_length + 1, M), given the topics' :math:`\log b_k(T_m)` (M, K).
 
-    The multinomial expansion of the module docstring, by K log-space convolutions
-    (float64; :math:`O(K L_{\max}^2)` per temperature). Row 0 (the empty document) is 0,
-    and so is every row at :math:`T = 1` when :math:`b_k(1) = 1`.
+    The multinomial expansion of the module docstring, in float64, :math:`O(K L_{\max}^2)`
+    per temperature, by two routes: up to :data:`EXACT_LENGTH` words, K convolutions in log
+    space (log-sum-exp, exact whatever the range of the terms); beyond, K direct
+    convolutions in linear space of the sequences tilted by :math:`e^{n\rho}` (a few times
+    cheaper: multiply-adds instead of exponentials), each pass continuing from the last
+    length known with :math:`\rho` set to minus the log-coefficients' slope there, and
+    keeping the lengths whose coefficient is a sum of terms of which none underflowed (every
+    coefficient is a sum of positive terms, so no cancellation: exact to rounding).
+    ``tests/test_lda_partition.py`` checks the second route against the first to 1e-9 up
+    to 600 words. A length no pass reaches is NaN (never a guess). Row 0 (the empty
+    document) is 0, and so is every row at :math:`T = 1` when :math:`b_k(1) = 1`.
 
     Example:
         >>> t = length_log_partition(np.zeros((1, 3)), [1.0], 0.3, 20)  # T = 1, b = 1
@@ -202,10 +288,32 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
     alpha = _concentrations(alpha, log_b.shape[1])
     if not np.all(np.isfinite(log_b)):
         return np.full((int(max_length) + 1, inv_t.size), np.nan)
+    max_length = int(max_length)
+    if max_length > EXACT_LENGTH:
+        return _windowed(log_b, inv_t, alpha, max_length)
+    return _length_log_space(log_b, temperatures, alpha, max_length)
+
+
+def _length_log_space(log_b, temperatures, alpha, max_length: int) -> np.ndarray:
+    """The log-space convolution for every length up to ``max_length`` (no tilt: exact
+    whatever the range of the coefficients, :math:`O(K L^2)` exponentials)."""
+    inv_t = _inverse_temperatures(temperatures)
     with jax.enable_x64(True):
-        table = _length_table(jnp.asarray(log_b), jnp.asarray(inv_t), jnp.asarray(alpha),
-                              int(max_length))
-        return np.asarray(table)
+        return np.asarray(_length_table(jnp.asarray(log_b), jnp.asarray(inv_t),
+                                        jnp.asarray(alpha), int(max_length)))
+
+
+def _windowed(log_b, inv_t, alpha, max_length: int) -> np.ndarray:
+    """The log-space convolution up to EXACT_LENGTH, continued by tilted linear passes."""
+    with jax.enable_x64(True):
+        n = jnp.arange(max_length + 1.0)
+        factor = np.asarray(gammaln(n + 1.0)[:, None] + gammaln(alpha.sum())
+                            - gammaln(alpha.sum() + n[:, None] * inv_t[None, :]))  # (L+1, M)
+        head = np.asarray(_length_table(jnp.asarray(log_b), jnp.asarray(inv_t),
+                                        jnp.asarray(alpha), EXACT_LENGTH))
+        coef = _windowed_table(log_b, inv_t, alpha, max_length,
+                               (head - factor[: EXACT_LENGTH + 1]).T)
+    return coef.T + factor
 
 
 def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,

@@ -229,7 +229,7 @@ class Multicanonical(NamedTuple):
     temperatures: np.ndarray
     log_weights: np.ndarray
     log_c_per_length: Callable[[np.ndarray], np.ndarray] | None = None
-    refresh: float = 0.05
+    refresh: float = 0.25
     anchors: int = 4
     topics: str = "mean"
 
@@ -246,7 +246,7 @@ class Multicanonical(NamedTuple):
 
     @classmethod
     def paper(cls, num_temperatures: int = 100, max_temperature: float = 10.0, *,
-              refresh: float = 0.05) -> Multicanonical:
+              refresh: float = 0.25) -> Multicanonical:
         r"""The paper's ladder: geometric temperatures 1..``max_temperature``, uniform
         :math:`\pi`, the conditional exact :math:`\log C_d` (Mandt et al. 2016, section 4)."""
         if int(num_temperatures) != num_temperatures or num_temperatures < 1:
