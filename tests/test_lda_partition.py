@@ -100,10 +100,10 @@ def test_long_documents_two_routes_agree(k, alpha):
 
 def test_normaliser_sums_the_tempered_model_over_every_document():
     """The definition: sum over all V^L documents and assignments of the tempered joint,
-    integrated over theta, is C_d(T | beta) (K = 2, V = 3, L = 4, quadrature over theta)."""
+    integrated over theta, is C_d(T | beta) (K = 2, V = 3, L = 3, quadrature over theta)."""
     rng = np.random.default_rng(2)
     beta = rng.dirichlet(np.ones(3), 2)
-    alpha, t, length = np.array([0.3, 0.7]), 2.5, 4
+    alpha, t, length = np.array([0.3, 0.7]), 2.5, 3
     prior = stats.beta(alpha[0], alpha[1])
     per_word = [lambda x, v=v: ((x * beta[0, v]) ** (1 / t) + ((1 - x) * beta[1, v]) ** (1 / t))
                 for v in range(3)]
