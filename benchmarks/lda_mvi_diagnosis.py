@@ -16,8 +16,9 @@ Four measurements, each against an exact reference:
 4. **The exact temperature posterior of a document** on an enumerable problem (K = 2,
    V = 4, topics fixed at the truth or at a blurred copy; ten documents drawn from the
    model at T = 1 per length): p(y_d = m | w_d, beta) by quadrature over theta, summing
-   the assignments exactly. For data the model fits, it concentrates at T = 1 as the document grows: the
-   posterior of the temperature is not an annealing schedule, it reports the fit.
+   the assignments exactly. For data the model fits, it concentrates at T = 1 as the
+   document grows: the posterior of the temperature is not an annealing schedule, it
+   reports the fit.
 
 Run: ``python benchmarks/lda_mvi_diagnosis.py`` (about a minute on 2 CPU cores).
 """
