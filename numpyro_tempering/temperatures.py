@@ -60,10 +60,12 @@ __all__ = [
     "TemperatureHistory",
     "TemperaturePosterior",
     "TemperatureRecord",
+    "damped_log_weights",
     "element_log_partition",
     "mean_inverse_temperature",
     "posterior_from_arrays",
     "record_temperatures",
+    "robbins_monro",
     "temperature_history",
     "temperature_posterior",
     "warn_if_flagged",
@@ -184,6 +186,90 @@ def posterior_from_arrays(
     )
 
 
+def robbins_monro(tau: float = 1024.0, kappa: float = 0.7) -> Callable[[Any], jax.Array]:
+    r"""The step-size schedule :math:`\rho_t = (\tau + t)^{-\kappa}`, :math:`t = 1, 2, \dots`
+
+    The paper's schedule for its stochastic updates (Mandt et al. 2016, section 4.1:
+    :math:`\tau = 1024`, :math:`\kappa = 0.7`); a damped :math:`q(y)`
+    (:func:`damped_log_weights`) uses it as ``step_size``.
+
+    Example:
+        >>> rho = robbins_monro(tau=1.0, kappa=1.0)
+        >>> [round(float(rho(t)), 4) for t in (1, 3)]
+        [0.5, 0.25]
+    """
+    if not (tau >= 0.0 and 0.5 < kappa <= 1.0):
+        raise ValueError(
+            f"Robbins-Monro needs tau >= 0 and 0.5 < kappa <= 1, got tau={tau}, kappa={kappa}."
+        )
+
+    def schedule(t: Any) -> jax.Array:
+        return (tau + jnp.asarray(t, jnp.result_type(float))) ** (-kappa)
+
+    return schedule
+
+
+def damped_log_weights(
+    previous: jax.typing.ArrayLike,
+    tempered_log_lik: jax.typing.ArrayLike,
+    ladder: Ladder,
+    step_size: jax.typing.ArrayLike,
+    *,
+    log_c: jax.typing.ArrayLike | None = None,
+) -> jax.Array:
+    r"""One damped update of :math:`q(y)`'s log-weights: a running average of eq. 18's.
+
+    With :math:`a^*_m = \ell_m - \log C(T_m) + \log\pi_m` the log-weights of eq. 18 of
+    Mandt et al. 2016 at the current fit,
+
+    .. math::
+
+        a_t = (1 - \rho_t)\, a_{t-1} + \rho_t\, a^*_t, \qquad q_t(y = m) \propto e^{a_{t,m}},
+
+    started at :math:`a_0 = \log\pi` (the paper's uniform initial :math:`q(y)`). Since
+    :math:`\log C` and :math:`\log\pi` are fixed, :math:`a_t = \log\pi + \sum_s w_s
+    (\ell_{s,m} - \log C_m)` with weights :math:`w_s` summing to :math:`1 - \prod_s
+    (1 - \rho_s)`: eq. 18 at a running average of the expected log-likelihood. ``step_size``
+    :math:`\rho_t = 1` gives eq. 18 exactly; rungs with :math:`\pi_m = 0` stay at
+    :math:`-\infty`. The probabilities are ``posterior_from_arrays(a_t, 0, 1/T, 0).probs``.
+
+    Args:
+        previous: :math:`a_{t-1}`, shape ``(M,)``.
+        tempered_log_lik: :math:`\ell_m` at every rung, ``(M,)`` (as for
+            :func:`temperature_posterior`).
+        ladder: the ladder (prior and, unless ``log_c`` is given, :math:`\log C`).
+        step_size: :math:`\rho_t \in (0, 1]`.
+        log_c: :math:`\log C(T_m)` to use instead of the ladder's.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> from numpyro_tempering.ladder import Ladder
+        >>> lad = Ladder([1.0, 2.0]).with_log_partition_values([0.0, 1.0])
+        >>> prior = jnp.log(jnp.array([0.5, 0.5]))
+        >>> # eq. 18's log-weights log(1/2) + (-3 - 0, -1.5 - 1), averaged with rho = 0.25
+        >>> a = damped_log_weights(prior, jnp.array([-3.0, -1.5]), lad, 0.25)
+        >>> [round(float(v), 4) for v in a]
+        [-1.4431, -1.3181]
+    """
+    ell = jnp.asarray(tempered_log_lik)
+    dtype = jnp.result_type(ell.dtype, float)
+    if log_c is None:
+        ladder.require_log_partition()
+        log_c = ladder.log_c
+    log_pi = jnp.log(jnp.asarray(ladder.weights, dtype))
+    target = log_pi + ell.astype(dtype) - jnp.asarray(log_c, dtype)
+    prev = jnp.asarray(previous, dtype)
+    if prev.shape != target.shape:
+        raise ValueError(
+            f"`previous` log-weights of shape {prev.shape} do not match the ladder's "
+            f"{target.shape}."
+        )
+    rho = jnp.asarray(step_size, dtype)
+    # 0 * (-inf) is NaN: rungs without prior mass stay at -inf
+    average = (1.0 - rho) * jnp.where(jnp.isfinite(prev), prev, 0.0) + rho * target
+    return jnp.where(jnp.isfinite(log_pi), average, -jnp.inf)
+
+
 def element_log_partition(
     ladder: Ladder, plate_size: int, indices: jax.Array | None, dtype: Any
 ) -> jax.Array:
@@ -236,6 +322,9 @@ class TemperatureRecord:
         probs: ``(num_steps, M)`` :math:`q(y)`.
         mean_temperature: ``(num_steps,)`` :math:`\mathbb{E}_q[T]`.
         mean_inverse_temperature: ``(num_steps,)`` :math:`\mathbb{E}_q[1/T]`.
+        log_weights: ``(M,)`` the running log-weights :math:`a_t` of a damped :math:`q(y)`
+            (:func:`damped_log_weights`; :math:`\log\pi` before the first step), or
+            ``None`` for a record made without a ladder prior.
     """
 
     def __init__(
@@ -244,31 +333,51 @@ class TemperatureRecord:
         probs: Any,
         mean_temperature: Any,
         mean_inverse_temperature: Any,
+        log_weights: Any = None,
     ) -> None:
         self.step = step
         self.probs = probs
         self.mean_temperature = mean_temperature
         self.mean_inverse_temperature = mean_inverse_temperature
+        self.log_weights = log_weights
 
     @classmethod
-    def empty(cls, num_steps: int, num_temperatures: int, dtype: Any) -> TemperatureRecord:
+    def empty(
+        cls,
+        num_steps: int,
+        num_temperatures: int,
+        dtype: Any,
+        log_prior: Any = None,
+    ) -> TemperatureRecord:
+        r"""An empty record; ``log_prior`` (``(M,)``, :math:`\log\pi`) starts the running
+        log-weights of a damped :math:`q(y)` (the paper's uniform initialisation)."""
         nan = functools.partial(jnp.full, fill_value=jnp.nan, dtype=dtype)
         return cls(
             jnp.zeros((), jnp.int32),
             nan((num_steps, num_temperatures)),
             nan((num_steps,)),
             nan((num_steps,)),
+            None if log_prior is None else jnp.asarray(log_prior, dtype),
         )
 
     def tree_flatten(self) -> tuple[tuple, None]:
-        return (self.step, self.probs, self.mean_temperature, self.mean_inverse_temperature), None
+        return (
+            self.step,
+            self.probs,
+            self.mean_temperature,
+            self.mean_inverse_temperature,
+            self.log_weights,
+        ), None
 
     @classmethod
     def tree_unflatten(cls, aux: None, children: tuple) -> TemperatureRecord:
         return cls(*children)
 
-    def append(self, posterior: TemperaturePosterior) -> TemperatureRecord:
-        """The record with ``posterior`` written at row ``step`` (minibatch-averaged)."""
+    def append(
+        self, posterior: TemperaturePosterior, log_weights: Any = None
+    ) -> TemperatureRecord:
+        """The record with ``posterior`` written at row ``step`` (minibatch-averaged), and
+        ``log_weights`` (if given) as the new running log-weights of a damped :math:`q(y)`."""
         probs = posterior.probs
         mean_t, mean_inv_t = posterior.mean_temperature, posterior.mean_inverse_temperature
         if probs.ndim > 1:  # per-element temperature: minibatch average
@@ -282,6 +391,7 @@ class TemperatureRecord:
             put(self.probs, probs),
             put(self.mean_temperature, mean_t),
             put(self.mean_inverse_temperature, mean_inv_t),
+            self.log_weights if log_weights is None else log_weights,
         )
 
     def __repr__(self) -> str:
@@ -320,10 +430,11 @@ def record_temperatures(
         raise TypeError(f"`name` must be a non-empty string, got {name!r}.")
     m = ladder.num_temperatures
     dtype = jnp.result_type(float)
+    log_prior = np.log(np.asarray(ladder.weights, float))  # -inf where a weight is 0
 
     @functools.wraps(model, updated=())
     def recorded(*args, **kwargs):
-        mutable(name, TemperatureRecord.empty(int(num_steps), m, dtype))
+        mutable(name, TemperatureRecord.empty(int(num_steps), m, dtype, log_prior))
         return model(*args, **kwargs)
 
     return recorded
@@ -338,12 +449,15 @@ def record_names(state: dict | None) -> tuple[str, ...]:
     return tuple(k for k, v in state.items() if isinstance(v, TemperatureRecord))
 
 
-def update_records(state: dict | None, posterior: TemperaturePosterior) -> dict | None:
-    """Append ``posterior`` to every :class:`TemperatureRecord` in a mutable-state dict."""
+def update_records(
+    state: dict | None, posterior: TemperaturePosterior, log_weights: Any = None
+) -> dict | None:
+    """Append ``posterior`` (and the new running ``log_weights`` of a damped :math:`q(y)`,
+    if given) to every :class:`TemperatureRecord` in a mutable-state dict."""
     if not state:
         return state
     return {
-        k: v.append(posterior) if isinstance(v, TemperatureRecord) else v
+        k: v.append(posterior, log_weights) if isinstance(v, TemperatureRecord) else v
         for k, v in state.items()
     }
 

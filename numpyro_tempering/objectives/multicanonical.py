@@ -60,6 +60,17 @@ The model's sizes against the ladder's (a ladder without sizes is refused, see
 would change them and make the ladder's log C stale); a ladder with temperatures flagged
 as untrusted gives a warning.
 
+Damped q(y)
+-----------
+``step_size=rho`` (or a schedule such as
+:func:`~numpyro_tempering.temperatures.robbins_monro`) replaces eq. 18 by a running average
+of its log-weights, :math:`a_t = (1-\rho_t)\,a_{t-1} + \rho_t\,(\ell_t/T_m - \log C(T_m) +
+\log\pi_m)`, from the paper's uniform start :math:`a_0 = \log\pi`: eq. 18 at a lagged
+:math:`\ell`, which slows the learnt schedule's cooling down to the pace of the fit's
+progress averaged over about :math:`1/\rho` steps (the paper updates T only every 1000
+iterations, section 4.1). The state lives in the model's :func:`record_temperatures`
+record. Global temperature only.
+
 The learnt temperature trajectory
 ---------------------------------
 Stock :class:`~numpyro.infer.SVI` returns only the loss per step, so this module offers:
@@ -97,7 +108,10 @@ from numpyro_tempering.structure import (
 from numpyro_tempering.temperatures import TemperatureHistory as TemperatureHistory
 from numpyro_tempering.temperatures import (
     TemperaturePosterior,
+    TemperatureRecord,
+    damped_log_weights,
     element_log_partition,
+    posterior_from_arrays,
     record_names,
     temperature_posterior,
     update_records,
@@ -226,6 +240,19 @@ class MulticanonicalELBO(EngineELBO):
         num_particles: Monte Carlo particles.
         vectorize_particles: as in :class:`~numpyro.infer.Trace_ELBO` (``jax.vmap``,
             ``jax.lax.map`` or a callable).
+        step_size: ``None`` (default): :math:`q(y)` is eq. 18 at every step. Otherwise a
+            *damped* :math:`q(y)`, global temperature only: a running average of eq. 18's
+            log-weights, :math:`a_t = (1 - \rho_t) a_{t-1} + \rho_t a^*_t` from
+            :math:`a_0 = \log\pi` (:func:`~numpyro_tempering.temperatures.damped_log_weights`),
+            with :math:`\rho_t` this constant in (0, 1] or a schedule of the step count
+            :math:`t = 1, 2, \dots` (e.g.
+            :func:`~numpyro_tempering.temperatures.robbins_monro`); ``1.0`` is eq. 18. The
+            running log-weights live in the model's
+            :func:`~numpyro_tempering.temperatures.record_temperatures` record, which is then
+            required. The loss is :math:`-\mathcal{L}_M` at that :math:`q(y)`, a lower bound
+            on eq. 18's value, with the gradient of the tempered ELBO at its
+            :math:`\mathbb{E}_q[1/T_y]`. See docs/multicanonical.md, "Why MVI settled hot
+            on the FMM".
 
     The loss is :math:`-\mathcal{L}_M` at :math:`q(y) = r^*`. A ladder with only
     :math:`T = 1` and :math:`\log C(1) = 0` gives exactly
@@ -272,6 +299,7 @@ class MulticanonicalELBO(EngineELBO):
         joint: bool = False,
         num_particles: int = 1,
         vectorize_particles: bool | Callable = True,
+        step_size: float | Callable[[Any], Any] | None = None,
     ) -> None:
         if not isinstance(ladder, Ladder):
             raise TypeError(f"`ladder` must be a Ladder, got {type(ladder).__name__}.")
@@ -281,6 +309,15 @@ class MulticanonicalELBO(EngineELBO):
         if plate is not None:
             ladder.require_element_log_partition(plate)
         warn_if_flagged(ladder, "MulticanonicalELBO")
+        if step_size is not None:
+            if plate is not None:
+                raise ValueError(
+                    "a damped q(y) (`step_size`) is implemented for a global temperature "
+                    "(plate=None) only."
+                )
+            if not callable(step_size) and not 0.0 < float(step_size) <= 1.0:
+                raise ValueError(f"`step_size` must be in (0, 1] or a schedule, got {step_size}.")
+        self.step_size = step_size
         self.ladder = ladder
         self.plate = plate
         self.selection = ladder.selection_for(Selection.of(sites, latent, exclude, joint))
@@ -350,20 +387,57 @@ class MulticanonicalELBO(EngineELBO):
     ) -> tuple[jax.Array, TemperaturePosterior, dict | None]:
         plate_size = self._plate_size(model, args, kwargs)
         weights, by_temperature = self._weights(rng_key, param_map, model, guide, args, kwargs)
-        value, posterior = multicanonical_elbo(
-            weights, self.ladder, plate_size, log_lik_by_temperature=by_temperature
+        record = self._damping_record(param_map)
+        if record is None:
+            value, posterior = multicanonical_elbo(
+                weights, self.ladder, plate_size, log_lik_by_temperature=by_temperature
+            )
+            return value, posterior, weights.mutable_state, None
+        # damped q(y): a running average of eq. 18's log-weights, held fixed for the gradient
+        dtype = jnp.result_type(weights.log_lik.dtype, float)
+        inv_t = jnp.asarray(self.ladder.inverse_temperatures, dtype)
+        if by_temperature is None:
+            ell = jnp.mean(weights.log_lik) * inv_t
+        else:
+            ell = jnp.mean(by_temperature, axis=0)
+        t = record.step + 1
+        rho = self.step_size(t) if callable(self.step_size) else self.step_size
+        log_w = jax.lax.stop_gradient(
+            damped_log_weights(record.log_weights, ell, self.ladder, rho)
         )
-        return value, posterior, weights.mutable_state
+        zero = jnp.zeros_like(inv_t)
+        probs = posterior_from_arrays(log_w, zero, inv_t, zero).probs
+        value, posterior = multicanonical_elbo(
+            weights, self.ladder, plate_size, probs, log_lik_by_temperature=by_temperature
+        )
+        return value, posterior, weights.mutable_state, log_w
+
+    def _damping_record(self, param_map: dict) -> TemperatureRecord | None:
+        """The record carrying the running log-weights, or ``None`` for eq. 18 exactly."""
+        if self.step_size is None:
+            return None
+        names = sorted(record_names(param_map))
+        if not names or param_map[names[0]].log_weights is None:
+            raise ValueError(
+                "a damped q(y) (`step_size`) keeps its running log-weights in a "
+                "TemperatureRecord: give SVI the model wrapped with "
+                "record_temperatures(model, ladder, num_steps)."
+            )
+        return param_map[names[0]]
 
     def loss_with_mutable_state(self, rng_key, param_map, model, guide, *args, **kwargs):
-        value, posterior, state = self._evaluate(rng_key, param_map, model, guide, args, kwargs)
-        return {"loss": -value, "mutable_state": update_records(state, posterior)}
+        value, posterior, state, log_w = self._evaluate(
+            rng_key, param_map, model, guide, args, kwargs
+        )
+        return {"loss": -value, "mutable_state": update_records(state, posterior, log_w)}
 
     def temperature_posterior(
         self, rng_key: jax.Array, params: dict, model: Callable, guide: Callable, *args, **kwargs
     ) -> TemperaturePosterior:
         """:math:`q(y)` (eq. 18) at ``params`` (e.g. ``svi.get_params(state)``), estimated
-        with this objective's particles and key ``rng_key``."""
+        with this objective's particles and key ``rng_key``. With ``step_size``, ``params``
+        must carry the record (e.g. ``{**params, **state.mutable_state}``), and the result
+        is the next damped update from it."""
         return self._evaluate(rng_key, params, model, guide, args, kwargs)[1]
 
     def temperature_trajectory(
