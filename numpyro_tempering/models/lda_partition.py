@@ -184,6 +184,16 @@ def _log_terms(log_b, inv_t, alpha, size):
             - gammaln(alpha)[None, None, :] - gammaln(n + 1.0)[None, :, None])
 
 
+#: values below this (relative to a sequence's maximum) are set to 0 in the linear passes:
+#: then no product of two stays below float64's normal range (subnormal arithmetic is ~100x
+#: slower), and what is flushed is < 1e-150 of a pass's maximum, far below PASS_FLOOR
+FLUSH = 1e-150
+
+
+def _flush(x):
+    return jnp.where(x < FLUSH, 0.0, x)
+
+
 @jax.jit
 def _tilted_pass(log_f, rho):
     """log of the coefficients c_L (L < log_f.shape[1]) of prod_k sum_n f_k(n) x^n for one
@@ -198,28 +208,29 @@ def _tilted_pass(log_f, rho):
         lf, r = args
         g = lf + lengths[:, None] * r
         shift = jnp.max(g, axis=0)
-        x = jnp.exp(g - shift)  # (L+1, K), max 1 per topic
+        # (L+1, K), max 1 per topic; below FLUSH flushed to 0 (see FLUSH)
+        x = _flush(jnp.exp(g - shift))
 
         def convolve(carry, xk):
             acc, scale = carry
             acc = jnp.convolve(acc, xk, precision=jax.lax.Precision.HIGHEST)[: lf.shape[0]]
             top = jnp.max(acc)
-            return (acc / top, scale + jnp.log(top)), None
+            return (_flush(acc / top), scale + jnp.log(top)), None
 
         (acc, scale), _ = jax.lax.scan(convolve, (x[:, 0], shift[0]), x[:, 1:].T)
         rel = jnp.log(acc)
         value = rel + scale + jnp.sum(shift[1:]) - lengths * r
         return value, rel
 
-    return jax.lax.map(one, (log_f, rho), batch_size=4)
+    return jax.lax.map(one, (log_f, rho))
 
 
 #: documents up to this length get the log-space convolution (no tilt needed); longer ones
 #: tilted linear-space passes that continue from it
 EXACT_LENGTH = 128
-#: a pass's value is used where it is at least exp(-PASS_FLOOR) of the pass's maximum
-#: (float64 holds 1e-308: what is kept is a sum of terms none of which underflowed)
-PASS_FLOOR = 640.0
+#: a pass's value is used where it is at least exp(-PASS_FLOOR) (~1e-130) of the pass's
+#: maximum: a sum of terms of which none was flushed to 0 but ones < 1e-150
+PASS_FLOOR = 300.0
 
 
 def _windowed_table(log_b, inv_t, alpha, max_length, exact):
@@ -228,7 +239,9 @@ def _windowed_table(log_b, inv_t, alpha, max_length, exact):
     minus the log-coefficients' slope at the frontier (the last length known), so that the
     coefficients beyond it decay from about the scale they have there; it yields every
     length whose coefficient stays within exp(-PASS_FLOOR) of the pass's maximum, and the
-    next pass starts from the new frontier. Lengths no pass reaches stay NaN."""
+    next pass starts from the new frontier. Only the rungs still short of max_length are
+    passed (padded to a power of two, to bound recompilation). A rung the passes cannot
+    finish gets the log-space convolution for its whole length (exact, slower)."""
     m = inv_t.shape[0]
     log_f = _log_terms(jnp.asarray(log_b), jnp.asarray(inv_t), jnp.asarray(alpha),
                        max_length + 1)
@@ -236,21 +249,30 @@ def _windowed_table(log_b, inv_t, alpha, max_length, exact):
     coef[:, : exact.shape[1]] = exact
     known = np.zeros((m, max_length + 1), bool)
     known[:, : exact.shape[1]] = True
-    rows = np.arange(m)
+    stuck = np.zeros(m, bool)
     for _ in range(64):
         frontier = np.cumprod(known, axis=1).sum(axis=1) - 1
-        active = frontier < max_length
-        if not np.any(active):
+        todo = np.flatnonzero((frontier < max_length) & ~stuck)
+        if todo.size == 0:
             break
-        slope = coef[rows, frontier] - coef[rows, frontier - 1]
-        value, rel = (np.asarray(x) for x in _tilted_pass(log_f, jnp.asarray(
-            np.where(active, -slope, 0.0))))
-        fresh = (rel >= -PASS_FLOOR) & np.isfinite(value) & ~known & active[:, None]
-        coef = np.where(fresh, value, coef)
-        known |= fresh
-        if not np.any(fresh):
-            break
-    return np.where(known, coef, np.nan)
+        size = 1 << int(np.ceil(np.log2(todo.size)))
+        rows = np.concatenate([todo, np.full(size - todo.size, todo[0])])
+        slope = coef[rows, frontier[rows]] - coef[rows, frontier[rows] - 1]
+        value, rel = (np.asarray(x)[: todo.size] for x in _tilted_pass(
+            log_f[jnp.asarray(rows)], jnp.asarray(-slope)))
+        fresh = (rel >= -PASS_FLOOR) & np.isfinite(value) & ~known[todo]
+        coef[todo] = np.where(fresh, value, coef[todo])
+        known[todo] |= fresh
+        stuck[todo] = ~fresh.any(axis=1)
+    left = np.flatnonzero(~known.all(axis=1))
+    if left.size:
+        full = np.asarray(_length_table(jnp.asarray(log_b[left]), jnp.asarray(inv_t[left]),
+                                        jnp.asarray(alpha), max_length)).T
+        n = np.arange(max_length + 1.0)
+        factor = np.asarray(gammaln(n + 1.0)[None, :] + gammaln(alpha.sum())
+                            - gammaln(alpha.sum() + n[None, :] * inv_t[left, None]))
+        coef[left] = full - factor
+    return coef
 
 
 def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
@@ -267,7 +289,8 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
     keeping the lengths whose coefficient is a sum of terms of which none underflowed (every
     coefficient is a sum of positive terms, so no cancellation: exact to rounding).
     ``tests/test_lda_partition.py`` checks the second route against the first to 1e-9 up
-    to 600 words. A length no pass reaches is NaN (never a guess). Row 0 (the empty
+    to 600 words. A rung whose passes stall (its coefficients' profile outruns the
+    floating-point range) falls back to the log-space route for its whole length. Row 0 (the empty
     document) is 0, and so is every row at :math:`T = 1` when :math:`b_k(1) = 1`.
 
     Example:
