@@ -165,3 +165,21 @@ def test_a_logistic_regression_returns():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "OK True" in out.stdout
+
+
+def test_disagreeing_replicates_give_an_error_of_their_disagreement():
+    from numpyro_tempering.tempered_smc import combine, replicate_covariance
+
+    reps = np.array([[0.0, 0.0], [0.01, 4.0], [-0.01, 7.0], [0.0, 5.0]])  # (R, M)
+    log_c, se, bad = (np.asarray(v, np.float64) for v in combine(jnp.asarray(reps)))
+    assert se[0] < 0.02 and bad.tolist() == [0, 0]
+    # the delta method alone says < 1 (it cannot exceed sqrt((R-1)/R)); the logs' spread
+    # (sd 2.9 nats) / sqrt(R) is what is reported, plus the Jensen bias
+    assert se[1] >= np.std(reps[:, 1], ddof=1) / 2.0 > 1.4
+    # the delta-method bias of the log of a mean is included: se > the delta method
+    w = np.exp(reps[:, 0] - reps[:, 0].max())
+    delta = w.std(ddof=1) / 2.0 / w.mean()
+    assert se[0] == pytest.approx(max(delta, np.std(reps[:, 0], ddof=1) / 2) + delta**2 / 2)
+    cov = replicate_covariance(reps)
+    assert cov.shape == (2, 2) and np.allclose(cov, cov.T)
+    assert cov[0, 0] == pytest.approx(delta**2, rel=1e-6)
