@@ -152,15 +152,16 @@ def model(X, y):
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w + b), obs=y.astype(jnp.float32))
 est = log_partition(jax.random.PRNGKey(0), model, np.array([1.0, 3.16, 10.0]), X, y,
-                    plate="data", progress_bar=False)
+                    plate="data", progress_bar=False, num_particles=64)
 print("OK", bool(np.all(np.isfinite(np.asarray(est.log_c)))))
 """
 
 
 def test_a_logistic_regression_returns():
     # the shape of the breast-cancer stall (569 rows, 30 features and an intercept, three
-    # temperatures): before the fix this script hung with every thread idle (killed by a
-    # 150 s timeout); a subprocess with a time limit turns a hang into a failure
+    # temperatures; 64 particles): before the fix this script hung with every thread idle
+    # (killed by a 200 s timeout, as with 256 particles at 150 s); a subprocess with a time
+    # limit turns a hang into a failure
     out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
