@@ -169,7 +169,7 @@ def test_a_logistic_regression_returns():
 
 
 def test_disagreeing_replicates_give_an_error_of_their_disagreement():
-    from numpyro_tempering.tempered_smc import combine, replicate_covariance
+    from numpyro_tempering.tempered_smc import combine, replicate_covariance, t_factor
 
     reps = np.array([[0.0, 0.0], [0.01, 4.0], [-0.01, 7.0], [0.0, 5.0]])  # (R, M)
     log_c, se, bad = (np.asarray(v, np.float64) for v in combine(jnp.asarray(reps)))
@@ -180,7 +180,10 @@ def test_disagreeing_replicates_give_an_error_of_their_disagreement():
     # the delta-method bias of the log of a mean is included: se > the delta method
     w = np.exp(reps[:, 0] - reps[:, 0].max())
     delta = w.std(ddof=1) / 2.0 / w.mean()
-    assert se[0] == pytest.approx(max(delta, np.std(reps[:, 0], ddof=1) / 2) + delta**2 / 2)
+    spread = np.std(reps[:, 0], ddof=1) / 2
+    assert se[0] == pytest.approx(t_factor(4) * max(delta, spread) + delta**2 / 2)
+    # Student's t for an error from 4 values: 2 stderr is a 95% interval
+    assert t_factor(4) == pytest.approx(3.182 / 1.96, rel=1e-3)
     cov = replicate_covariance(reps)
     assert cov.shape == (2, 2) and np.allclose(cov, cov.T)
     assert cov[0, 0] == pytest.approx(delta**2, rel=1e-6)
