@@ -540,7 +540,8 @@ class Ladder:
         """A copy holding log C estimated by
         :func:`~numpyro_tempering.partition_function.log_partition` at this ladder's
         temperatures: ``options`` are its keyword arguments (``method``, ``plate``, the
-        tempering selection ``sites``/``latent``/``exclude``/``joint``, the budgets) and the
+        tempering selection ``sites``/``latent``/``exclude``/``joint``, the budgets,
+        ``max_stages``, ``progress_bar`` -- a tqdm bar over the rungs, on by default) and the
         model's keyword arguments. It warns about untrusted temperatures. The copy keeps the
         standard error, effective sample size, SMC stages or Pareto :math:`\\hat k`, the
         flags, the model sizes, the tempering :attr:`selection` and, with ``plate`` on the

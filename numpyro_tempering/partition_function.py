@@ -727,6 +727,14 @@ class LogPartitionEstimate(NamedTuple):
         num_particles: P, particles per replicate (``"smc"``).
         selection: the :class:`~numpyro_tempering.handlers.Selection` of tempered sites
             the estimate is for.
+        tempering_param: ``(M,)`` smallest :math:`\lambda` the replicates reached
+            (``"smc"``): below 1 where the stage cap ``max_stages`` stopped a run (its
+            ``log_c`` is then NaN and the temperature flagged).
+        prior_log_c: ``(M,)`` the missed-mass check (``"smc"``): log of the mean of
+            :math:`e^{L_T}` over prior draws (:func:`~numpyro_tempering.tempered_smc.
+            missed_mass`).
+        missed_mass: ``(M,)`` where that check says the SMC missed mass (flagged, and
+            ``stderr`` raised to at least the shortfall).
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -751,6 +759,9 @@ class LogPartitionEstimate(NamedTuple):
     acceptance: np.ndarray | None = None
     num_particles: int | None = None
     selection: Selection | None = None
+    tempering_param: np.ndarray | None = None
+    prior_log_c: np.ndarray | None = None
+    missed_mass: np.ndarray | None = None
 
     @property
     def flagged(self) -> np.ndarray:
@@ -766,6 +777,7 @@ class LogPartitionEstimate(NamedTuple):
                 self.acceptance,
                 self.num_nonfinite,
                 exact=np.asarray(self.temperatures) == 1.0,
+                missed=self.missed_mass,
             )
         if self.num_samples is None:  # built by hand: only non-finite draws can be judged
             return np.asarray(self.num_nonfinite) > 0
@@ -975,30 +987,91 @@ def _warn_fallback(reason: str) -> None:
     )
 
 
-def _warn_untrusted_smc(est: LogPartitionEstimate) -> None:
+def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None) -> None:
     from numpyro_tempering.tempered_smc import MAX_REPLICATE_SD
 
     flagged = est.flagged
     if not np.any(flagged):
         return
-    temps = np.asarray(est.temperatures)[flagged]
+    temps = np.asarray(est.temperatures)
     reps = np.asarray(est.replicate_log_c)[:, flagged]
     with np.errstate(invalid="ignore"):
-        spread = np.std(reps, axis=0, ddof=1) if reps.shape[0] > 1 else np.full(temps.size, 0.0)
+        spread = (
+            np.std(reps, axis=0, ddof=1) if reps.shape[0] > 1 else np.full(reps.shape[1], 0.0)
+        )
     show = slice(0, 8)
+    reasons = []
+    lam = est.tempering_param
+    if lam is not None and np.any(capped := flagged & (np.asarray(lam) < 1.0)):
+        reasons.append(
+            f"at T = {_rounded(temps[capped][show], 4)} the SMC stopped at the stage cap "
+            f"(max_stages = {max_stages}) with lambda = "
+            f"{_rounded(np.asarray(lam)[capped][show], 4)} < 1 (log C is NaN there; "
+            "method='prior' is the fallback)"
+        )
+    if est.missed_mass is not None and np.any(missed := flagged & est.missed_mass):
+        reasons.append(
+            f"at T = {_rounded(temps[missed][show], 4)} prior draws see more mass than the SMC "
+            f"(log C from prior draws {_rounded(np.asarray(est.prior_log_c)[missed][show], 3)} "
+            f"> SMC {_rounded(np.asarray(est.log_c)[missed][show], 3)}): a mode was missed; "
+            "the standard error is raised to at least the shortfall"
+        )
     warnings.warn(
         "log_partition: the tempered SMC estimate of log C(T) cannot be trusted at "
-        f"T = {_rounded(temps[show], 4)}: replicate spread (sd of log C-hat_r) "
+        f"T = {_rounded(temps[flagged][show], 4)}: replicate spread (sd of log C-hat_r) "
         f"{_rounded(spread[show], 3)} (need <= {MAX_REPLICATE_SD}), final-stage ESS "
         f"{_rounded(np.asarray(est.ess)[flagged][show], 1)} of P = {est.num_particles} "
         "particles, last-stage acceptance "
         f"{_rounded(np.asarray(est.acceptance)[flagged][show], 2)}, "
         f"non-finite replicates {np.asarray(est.num_nonfinite)[flagged][show].tolist()}. "
-        "Increase num_particles / num_replicates / num_mcmc_steps, or give a closed form "
+        + "".join(r[0].upper() + r[1:] + ". " for r in reasons)
+        + "Increase num_particles / num_replicates / num_mcmc_steps, or give a closed form "
         "(Ladder.with_log_partition_values).",
         UserWarning,
         stacklevel=3,
     )
+
+
+#: temperatures per compiled SMC call: the progress bar advances by this many rungs, and a
+#: slow rung holds up only the rungs of its own chunk (they run in lock step)
+SMC_CHUNK = 8
+
+
+def _run_in_chunks(runner: Callable, key: jax.Array, temps: jax.Array, progress_bar: bool):
+    """``runner(key, temps)`` over chunks of ``SMC_CHUNK`` temperatures (the last one padded
+    with its last temperature, so one compiled function serves every chunk), with a tqdm
+    progress bar over the rungs. Every chunk gets the same key: the result is the same as
+    one call over all temperatures (common random numbers across the rungs)."""
+    num = temps.shape[0]
+    size = min(num, SMC_CHUNK)
+    bar = None
+    if progress_bar:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=num, desc="log C(T), tempered SMC", unit="rung")
+    pieces = []
+    try:
+        for start in range(0, num, size):
+            chunk = temps[start : start + size]
+            pad = size - chunk.shape[0]
+            if pad:
+                chunk = jnp.concatenate([chunk, jnp.repeat(chunk[-1:], pad)])
+            out = jax.device_get(runner(key, chunk))
+            keep = size - pad
+            pieces.append(out)
+            if bar is not None:
+                stages = np.asarray(out.num_stages)[:, :keep]
+                bar.set_postfix(stages=f"{stages.mean():.1f}", max_stages=int(stages.max()))
+                bar.update(keep)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    def cat(*parts: Any) -> np.ndarray:
+        axis = 0 if np.ndim(parts[0]) == 1 else 1  # (M,) or (R, M[, E])
+        return np.take(np.concatenate(parts, axis=axis), np.arange(num), axis=axis)
+
+    return jax.tree.map(cat, *pieces)
 
 
 def _smc_estimate(
@@ -1014,8 +1087,9 @@ def _smc_estimate(
     settings: Any,
     plate: str | None,
     fallback: Fallback,
+    progress_bar: bool = False,
 ) -> LogPartitionEstimate:
-    from numpyro_tempering.tempered_smc import combine
+    from numpyro_tempering.tempered_smc import combine, missed_mass
 
     per_element = plate is not None and (
         structure.sizes.plate_size(plate) == _visited_size(marked, args, kwargs, plate)
@@ -1023,11 +1097,17 @@ def _smc_estimate(
     runner = _smc_runner(
         model, selection, args, kwargs, plate, fallback, global_names, settings, per_element
     )
-    out = runner(rng_key, temps)
+    out = _run_in_chunks(runner, rng_key, temps, progress_bar)
     one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
     reps = np.where(one[None, :], 0.0, np.asarray(out.log_z, np.float64))
     log_c, stderr, bad = (np.asarray(v) for v in combine(jnp.asarray(reps)))
     stderr = np.where(one, 0.0, stderr)
+    prior_log_c = np.asarray(out.prior_log_c, np.float64)
+    missed = missed_mass(
+        log_c, stderr, prior_log_c, np.asarray(out.prior_ess), settings.num_prior_draws
+    ) & ~one
+    # never a small standard error around a value that misses mass: at least the shortfall
+    stderr = np.where(missed, np.maximum(stderr, prior_log_c - log_c), stderr)
     element = None
     if per_element:
         mean = np.nanmean(np.asarray(out.element_mean, np.float64), axis=0)  # (M, E)
@@ -1050,6 +1130,9 @@ def _smc_estimate(
         acceptance=np.asarray(out.acceptance).min(0),
         num_particles=settings.num_particles,
         selection=selection,
+        tempering_param=np.where(one, 1.0, np.asarray(out.tempering_param).min(0)),
+        prior_log_c=prior_log_c,
+        missed_mass=missed,
     )
 
 
@@ -1090,6 +1173,8 @@ def log_partition(
     num_particles: int = 256,
     num_replicates: int = 4,
     num_mcmc_steps: int = 4,
+    max_stages: int = 100,
+    progress_bar: bool = True,
     **kwargs: Any,
 ) -> LogPartitionEstimate:
     r"""Estimate :math:`\log C(T)` at every temperature (supplement eq. 1-3 and 7).
@@ -1104,6 +1189,15 @@ def log_partition(
     subsampled plates, or local latents that change the contributions (their inner average
     would need a pseudo-marginal SMC) -- fall back to ``method="prior"`` with a
     ``UserWarning``; a model without globals uses it directly (no outer integral).
+
+    Error bars (``"smc"``): bias-aware (the log of a mean of replicates is biased low by
+    about :math:`s_\delta^2/2`; replicates that disagree by several nats give a standard
+    error of that size, not the delta method's at most 1), and **correlated across the
+    rungs**: every temperature uses the same random numbers (common random numbers), so
+    differences :math:`\log C(T_i) - \log C(T_j)` are more accurate than the standard errors
+    suggest; :meth:`LogPartitionEstimate.covariance` gives the covariance. Time is bounded
+    (``max_stages``), and mass that prior draws see but the SMC missed is flagged
+    (:func:`~numpyro_tempering.tempered_smc.missed_mass`).
 
     ``method="prior"``: the plain Monte Carlo estimator of the module docstring
     (``num_samples * num_inner * M`` model runs, ``batch_size`` outer samples at a time).
@@ -1131,6 +1225,11 @@ def log_partition(
         num_particles: P, SMC particles per replicate (``"smc"``).
         num_replicates: R, independent SMC runs per temperature (``"smc"``; >= 2).
         num_mcmc_steps: HMC steps per particle and SMC stage (``"smc"``).
+        max_stages: cap on the SMC stages per run (``"smc"``): a run stopped by it gives
+            NaN at its temperature, which is flagged, and the warning says so (with the
+            :math:`\lambda` reached); the cap bounds the run time of every call.
+        progress_bar: show a tqdm progress bar over the rungs (``"smc"``; as NumPyro's
+            ``MCMC``, on by default), with the mean and largest number of SMC stages.
 
     Returns:
         :class:`LogPartitionEstimate`.
@@ -1153,6 +1252,7 @@ def log_partition(
     num_particles = _check_count(num_particles, "num_particles", 2)
     num_replicates = _check_count(num_replicates, "num_replicates", 2)
     num_mcmc_steps = _check_count(num_mcmc_steps, "num_mcmc_steps")
+    max_stages = _check_count(max_stages, "max_stages")
     if batch_size is not None:
         batch_size = _check_count(batch_size, "batch_size")
     selection = Selection.of(sites, latent, exclude, joint)
@@ -1229,12 +1329,13 @@ def log_partition(
         num_particles=num_particles,
         num_replicates=num_replicates,
         num_mcmc_steps=num_mcmc_steps,
+        max_stages=max_stages,
     )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,
-        kwargs, global_names, settings, plate, fallback,
+        kwargs, global_names, settings, plate, fallback, progress_bar,
     )
-    _warn_untrusted_smc(est)
+    _warn_untrusted_smc(est, settings.max_stages)
     return est
 
 

@@ -18,27 +18,41 @@ draws fails (the failure mode of issue 11). Here it is estimated like an evidenc
 
 * **Adaptive tempered SMC** (Del Moral, Doucet and Jasra 2006; the ESS-adaptive schedule of
   Jasra et al. 2011) along the path :math:`\pi_\lambda \propto q^{1-\lambda}\,
-  (p\, e^{L_T})^{\lambda}`, :math:`\lambda: 0 \to 1`, from a Gaussian reference :math:`q`:
-  the Laplace approximation of the tilted target (mode by damped Newton steps, covariance
-  the inverse Hessian inflated by ``REFERENCE_INFLATION**2``; the unit matrix if the
-  curvature is not positive definite). Each stage picks the next :math:`\lambda` so that
-  the incremental weights keep an ESS of ``target_ess`` of the particles, resamples
-  (systematic), and moves the particles with ``num_mcmc_steps`` HMC steps targeting the
-  current stage. The product of the stages' mean incremental weights is an unbiased
-  estimate of :math:`\int q\, (p e^{L_T} / q) = C(T)`. Starting from :math:`q` and not
-  from the prior (``SMCSettings(reference="prior")``) matters: at realistic N the tilted
-  target sits far in the prior's tail (a shift of :math:`N(1 - 1/T) v^2` in the log-scale
-  of a log-normal prior of sd :math:`v`: 90 prior sds in the tests), and the number of
-  stages of a path from the prior grows with that distance (200 stages were not enough at
-  N = 2000, 540 prior sds), while from :math:`q` one to a few stages suffice.
+  (p\, e^{L_T})^{\lambda}`, :math:`\lambda: 0 \to 1`, from a **mixture reference**
+  :math:`q = \alpha\, p + \frac{1-\alpha}{K}\sum_k \mathcal N(m_k, \Sigma_k)`: the prior
+  with weight ``prior_weight`` (:math:`\alpha = 0.1`) and K (``num_starts`` = 8) Laplace
+  approximations of the tilted target, each from damped Newton steps started at its own
+  prior draw (covariance the inverse Hessian inflated by ``REFERENCE_INFLATION**2``; the
+  unit matrix if the curvature is not positive definite). One Laplace start sees one mode
+  (issue 20: log C too low by log 2 on two equal modes, with a standard error of 0.01);
+  K starts put particles in every mode whose basin a prior draw falls in, the prior
+  component covers the rest, and the incremental weights give each mode its mass. Each
+  stage picks the next :math:`\lambda` so that the incremental weights keep an ESS of
+  ``target_ess`` of the particles, resamples (systematic), and moves the particles with
+  ``num_mcmc_steps`` HMC steps targeting the current stage. The product of the stages'
+  mean incremental weights is an unbiased estimate of
+  :math:`\int q\, (p e^{L_T} / q) = C(T)`. Starting from the Laplace components and not
+  from the prior alone (``SMCSettings(reference="prior")``) matters: at realistic N the
+  tilted target sits far in the prior's tail (a shift of :math:`N(1 - 1/T) v^2` in the
+  log-scale of a log-normal prior of sd :math:`v`: 90 prior sds in the tests), and the
+  number of stages of a path from the prior grows with that distance (200 stages were not
+  enough at N = 2000, 540 prior sds), while from :math:`q` one to a few stages suffice.
+* **Missed mass is checked** (:func:`missed_mass`): the mean of :math:`e^{L_T}` over
+  ``num_prior_draws`` prior draws is unbiased for :math:`C(T)` (its log biased low); an SMC
+  estimate clearly below it has missed a mode, and is flagged.
+* **Bounded**: at most ``max_stages`` stages (a run stopped there gives NaN and is
+  flagged), ``NEWTON_STEPS`` Newton steps, and blackjax's bisection for the next
+  :math:`\lambda` (100 halvings). No LAPACK: the linear algebra is plain ``jax.numpy``
+  (:func:`_cholesky`), because XLA's CPU LAPACK kernels deadlocked the vectorised loop.
 * **On NumPyro's unconstrained space**: each global is mapped by
   ``biject_to(support)`` (``numpyro.infer.util``'s ``_unconstrain_reparam``, which also adds
   the log-Jacobian to the prior), so HMC needs no boundaries.
 * **Gradient-based moves that mix every global**: HMC (``num_integration_steps`` leapfrog
   steps) with a diagonal inverse mass matrix set at each stage to the weighted variance of
-  the particle cloud, and a step size adapted between stages from the previous stage's
-  acceptance rate (target 0.65). A global that the tempered factor barely touches keeps its
-  prior-scale variance in the mass matrix, so it still moves.
+  the particle cloud (capped by the widest Laplace component's variances: the cloud's
+  variance spans the gaps between modes), and a step size adapted between stages from the
+  previous stage's acceptance rate (target 0.65). A global that the tempered factor barely
+  touches keeps its prior-scale variance in the mass matrix, so it still moves.
 * **Vectorised** over the temperatures and over ``R`` independent replicates (``vmap``),
   compiled once per model, selection and shapes and cached (``_CACHE``).
 
@@ -89,6 +103,9 @@ __all__ = [
     "MIN_PARTICLES",
     "SMCSettings",
     "flag_smc",
+    "missed_mass",
+    "replicate_covariance",
+    "t_factor",
 ]
 
 #: flag a temperature whose replicates' log C-hat have a standard deviation above this (nats):
@@ -98,6 +115,8 @@ MAX_REPLICATE_SD = 1.0
 MIN_ACCEPTANCE = 0.05
 #: ... or that was estimated with fewer particles than this (too few to trust the ESS solve)
 MIN_PARTICLES = 32
+#: missed-mass check: the prior draws' ESS needed to trust their standard error
+MIN_PRIOR_ESS = 20.0
 #: the Laplace reference's covariance is the inverse Hessian times this squared
 REFERENCE_INFLATION = 1.5
 #: damped Newton steps to the mode of the tilted target (the Laplace reference)
@@ -113,7 +132,15 @@ class SMCSettings(NamedTuple):
         num_mcmc_steps: HMC steps per particle and stage.
         num_integration_steps: leapfrog steps per HMC step.
         target_ess: fraction of P kept as the incremental weights' ESS at every stage.
-        max_stages: a run that has not reached lambda = 1 after this many stages gives NaN.
+        max_stages: cap on the SMC stages: a run that has not reached lambda = 1 after this
+            many stages gives NaN, and the temperature is flagged with the lambda reached
+            (``SMCRun.tempering_param``); this bounds the run time of every call.
+        reference: ``"laplace"`` (the mixture reference of the module docstring) or
+            ``"prior"`` (a path from the prior).
+        num_starts: K, damped Newton runs from K prior draws, one Laplace component each.
+        prior_weight: weight of the prior in the mixture reference (the rest is shared
+            evenly by the K Laplace components).
+        num_prior_draws: prior draws of the missed-mass check (:func:`missed_mass`).
     """
 
     num_particles: int = 256
@@ -121,8 +148,11 @@ class SMCSettings(NamedTuple):
     num_mcmc_steps: int = 4
     num_integration_steps: int = 4
     target_ess: float = 0.5
-    max_stages: int = 200
+    max_stages: int = 100
     reference: str = "laplace"
+    num_starts: int = 8
+    prior_weight: float = 0.1
+    num_prior_draws: int = 1024
 
 
 class SMCRun(NamedTuple):
@@ -133,6 +163,9 @@ class SMCRun(NamedTuple):
     num_stages: jax.Array
     acceptance: jax.Array  # mean HMC acceptance rate of the last stage
     element_mean: jax.Array | None
+    tempering_param: jax.Array  # lambda reached (1 unless the stage cap stopped the run)
+    prior_log_c: jax.Array  # (M,): log of the mean of e^{L_T} over prior draws
+    prior_ess: jax.Array  # (M,): Kish ESS of those draws' weights
 
 
 def flag_smc(
@@ -142,6 +175,7 @@ def flag_smc(
     acceptance: Any,
     num_nonfinite: Any,
     exact: Any = None,
+    missed: Any = None,
 ) -> np.ndarray:
     r"""Temperatures whose tempered-SMC log C cannot be trusted (boolean, per temperature).
 
@@ -149,9 +183,9 @@ def flag_smc(
     fewer than ``MIN_PARTICLES`` particles; a final-stage ESS below
     ``min(10, P/2)``; a mean HMC acceptance rate of the last stage below ``MIN_ACCEPTANCE``
     (degenerate particles: resampled copies that never move apart); or replicates whose
-    :math:`\log\hat C_r` spread (standard deviation) exceeds ``MAX_REPLICATE_SD`` nats.
-    Temperatures marked ``exact`` (T = 1, where log C = 0 after the per-site check) are
-    never flagged.
+    :math:`\log\hat C_r` spread (standard deviation) exceeds ``MAX_REPLICATE_SD`` nats; or
+    marked ``missed`` (:func:`missed_mass`). Temperatures marked ``exact`` (T = 1, where
+    log C = 0 after the per-site check) are never flagged.
 
     Example:
         >>> flag_smc([128.0, 128.0], 256, [[0.0, 5.0], [0.0, 7.5]], [0.7, 0.7], [0, 0]).tolist()
@@ -167,14 +201,82 @@ def flag_smc(
         with np.errstate(invalid="ignore"):
             spread = np.std(reps, axis=0, ddof=1)
         flagged |= np.isfinite(spread) & (spread > MAX_REPLICATE_SD)
+    if missed is not None:
+        flagged |= np.asarray(missed, bool)
     if exact is not None:
         flagged &= ~np.asarray(exact, bool)
     return flagged
 
 
+def missed_mass(
+    log_c: Any, stderr: Any, prior_log_c: Any, prior_ess: Any, num_prior_draws: int
+) -> np.ndarray:
+    r"""Temperatures where the SMC missed probability mass that prior draws see (boolean).
+
+    The plain Monte Carlo average of :math:`e^{L_T}` over ``num_prior_draws`` prior draws
+    is unbiased for :math:`C(T)` and its log is biased *low*; an SMC estimate well below it
+    has missed mass -- a mode its reference never put particles in. Flagged where the
+    prior-draw estimate exceeds ``log_c`` by more than three combined standard errors plus
+    0.05 nats while the draws' Kish ESS is at least ``MIN_PRIOR_ESS`` (so that their delta
+    standard error :math:`\sqrt{(S/\mathrm{ESS} - 1)/S}` means something), or by more than
+    :math:`\log 1000` nats whatever the ESS (Markov's inequality: an unbiased positive
+    estimate exceeds :math:`1000\,C` with probability below 0.001).
+
+    Example:
+        >>> missed_mass([5.0, 5.0], [0.01, 0.01], [5.69, 5.01], [500.0, 500.0], 1024).tolist()
+        [True, False]
+    """
+    log_c = np.asarray(log_c, np.float64)
+    se = np.asarray(stderr, np.float64)
+    excess = np.asarray(prior_log_c, np.float64) - log_c
+    ess = np.asarray(prior_ess, np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        se_prior = np.sqrt(np.maximum(num_prior_draws / ess - 1.0, 0.0) / num_prior_draws)
+        sure = (ess >= MIN_PRIOR_ESS) & (excess > 3.0 * np.hypot(se, se_prior) + 0.05)
+        missed = sure | (excess > math.log(1000.0))
+    return np.where(np.isfinite(log_c), missed, False)
+
+
+#: Student-t 97.5% quantiles for 1..10 degrees of freedom (beyond: Cornish-Fisher)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+
+
+def t_factor(num_replicates: int) -> float:
+    """``t_{0.975, R-1} / z_{0.975}``: the factor that makes ``estimate +- 2 stderr`` a 95%
+    interval when the standard error is estimated from R replicates (4 replicates: 1.62;
+    without it, 2 of the sample's standard errors cover ~86% at R = 4, measured 80-93%).
+
+    Example:
+        >>> round(t_factor(4), 3), round(t_factor(1000), 3)
+        (1.623, 1.001)
+    """
+    nu, z = num_replicates - 1, 1.959964
+    if nu < 1:
+        return math.nan
+    if nu <= len(_T975):
+        return _T975[nu - 1] / z
+    t = z + (z**3 + z) / (4 * nu) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * nu**2)
+    return t / z
+
+
 def combine(replicate_log_c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``log mean_r C_r``, its delta-method standard error and the non-finite count, per
-    temperature, from replicates ``(R, M)``; any non-finite replicate makes the estimate NaN."""
+    r"""``log mean_r C_r``, its bias-aware standard error and the non-finite count, per
+    temperature, from replicates ``(R, M)``; any non-finite replicate makes the estimate NaN.
+
+    The standard error is :math:`t_R \max(s_\delta, s_{\log}) + s_\delta^2 / 2`, with
+    :math:`t_R` = :func:`t_factor` (Student's t for a standard error from R values):
+    :math:`s_\delta = \mathrm{sd}_r(\hat C_r) / (\sqrt R\, \overline{\hat C})` the delta
+    method for the log of the mean; :math:`s_{\log} = \mathrm{sd}_r(\log \hat C_r)/\sqrt R`
+    the spread of the replicates' logs, which -- unlike :math:`s_\delta`, at most
+    :math:`\sqrt{(R-1)/R}` -- says so when the replicates disagree by several nats; and
+    :math:`s_\delta^2/2` the delta-method bias of the log of a mean (Jensen: low by about
+    that much), added, not corrected, because it is itself estimated from R values.
+
+    Example:
+        >>> log_c, se, bad = combine(jnp.array([[0.0, 0.0], [0.02, 6.0]]))
+        >>> [round(float(v), 3) for v in se]  # agreeing; 6 nats apart (R = 2: t factor 6.5)
+        [0.065, 19.943]
+    """
     num = replicate_log_c.shape[0]
     bad = ~jnp.isfinite(replicate_log_c)
     log_c = logsumexp(replicate_log_c, axis=0) - math.log(num)
@@ -183,13 +285,37 @@ def combine(replicate_log_c: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array
     w = jnp.exp(replicate_log_c - top)
     mean = w.mean(0)
     if num > 1:
-        stderr = jnp.sqrt(jnp.sum((w - mean) ** 2, axis=0) / (num - 1) / num) / mean
+        se_delta = jnp.sqrt(jnp.sum((w - mean) ** 2, axis=0) / (num - 1) / num) / mean
+        se_log = jnp.std(replicate_log_c, axis=0, ddof=1) / math.sqrt(num)
+        stderr = t_factor(num) * jnp.maximum(se_delta, se_log) + 0.5 * se_delta**2
     else:
         stderr = jnp.full_like(mean, jnp.nan)
     nbad = bad.sum(0)
     log_c = jnp.where(nbad > 0, jnp.nan, log_c)
     stderr = jnp.where(nbad > 0, jnp.nan, stderr)
     return log_c, stderr, nbad
+
+
+def replicate_covariance(replicate_log_c: Any) -> np.ndarray:
+    r"""Delta-method covariance ``(M, M)`` of ``log mean_r C_r(T_m)`` across the rungs, from
+    the replicates ``(R, M)``: :math:`\mathrm{Cov}_r(\hat C_r(T_i)/\bar C(T_i),
+    \hat C_r(T_j)/\bar C(T_j)) / R`.
+
+    The rungs share their random numbers (replicate r uses the same keys at every
+    temperature, and the Laplace starts and prior draws are common), so their errors are
+    positively correlated: differences of :math:`\log C` between rungs are more accurate
+    than the standard errors suggest, and a sum over rungs less.
+
+    Example:
+        >>> cov = replicate_covariance([[0.0, 0.1], [0.2, 0.3], [-0.1, 0.0]])
+        >>> bool(cov[0, 1] > 0.9 * np.sqrt(cov[0, 0] * cov[1, 1]))
+        True
+    """
+    reps = np.asarray(replicate_log_c, np.float64)
+    num = reps.shape[0]
+    w = np.exp(reps - np.max(reps, axis=0))
+    rel = w / w.mean(0)
+    return np.cov(rel, rowvar=False, ddof=1).reshape(reps.shape[1], reps.shape[1]) / num
 
 
 # -----------------------------------------------------------------------------------------
@@ -263,15 +389,65 @@ def _build_target(
 # -----------------------------------------------------------------------------------------
 
 
+def _cholesky(a: jax.Array) -> jax.Array:
+    """Lower Cholesky factor of a symmetric ``(D, D)`` matrix, in plain ``jax.numpy``
+    (NaN where not positive definite).
+
+    Not ``jnp.linalg.cholesky``: XLA's CPU LAPACK kernels (``potrf``, ``trsm``, ``getrf``)
+    split a batch over the intra-op thread pool and block a pool thread until the pieces are
+    done (``ParallelBatchMap``); two such calls running at once inside the vectorised SMC
+    loop can block every pool thread, and the computation never returns at 0% CPU (issue 20:
+    a gdb backtrace of the stalled breast-cancer regression showed both ``tf_XLAEigen``
+    threads in ``TriMatrixEquationSolver`` -> ``ParallelBatchMap`` ->
+    ``BlockingCounter::Wait``). ``D`` is the number of globals, so a loop over columns is
+    cheap.
+    """
+    dim = a.shape[-1]
+    idx = jnp.arange(dim)
+
+    def column(j: jax.Array, low: jax.Array) -> jax.Array:
+        row = jnp.where(idx < j, low[j], 0.0)
+        diag = jnp.sqrt(a[j, j] - jnp.sum(row**2))
+        col = (a[:, j] - low @ row) / diag
+        col = jnp.where(idx > j, col, jnp.where(idx == j, diag, 0.0))
+        return low.at[:, j].set(col)
+
+    return jax.lax.fori_loop(0, dim, column, jnp.zeros_like(a))
+
+
+def _solve_lower(low: jax.Array, b: jax.Array) -> jax.Array:
+    """``low^{-1} b`` by forward substitution (plain ``jax.numpy``; see :func:`_cholesky`)."""
+    dim = low.shape[-1]
+
+    def step(i: jax.Array, x: jax.Array) -> jax.Array:
+        return x.at[i].set((b[i] - low[i] @ x) / low[i, i])
+
+    return jax.lax.fori_loop(0, dim, step, jnp.zeros_like(b))
+
+
+def _solve_upper(up: jax.Array, b: jax.Array) -> jax.Array:
+    """``up^{-1} b`` by back substitution for an upper-triangular ``up``."""
+    dim = up.shape[-1]
+
+    def step(k: jax.Array, x: jax.Array) -> jax.Array:
+        i = dim - 1 - k
+        return x.at[i].set((b[i] - up[i] @ x) / up[i, i])
+
+    return jax.lax.fori_loop(0, dim, step, jnp.zeros_like(b))
+
+
 def _laplace(
     target: _Target, temperature: jax.Array, start: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """Mode and Cholesky factor of the inflated inverse Hessian of ``log p + L_T``.
+    """Mode and the Cholesky factor ``R`` of the *precision* of the Laplace reference.
 
-    The mode is found by ``NEWTON_STEPS`` damped Newton steps (Levenberg-Marquardt: a step
-    that does not decrease ``-(log p + L_T)`` is refused and the damping raised) from a prior
-    draw ``start``. A non-finite or non-positive-definite curvature falls back to the unit
-    matrix: the SMC then corrects the poor reference at the price of more stages.
+    The mode of ``log p + L_T`` is found by ``NEWTON_STEPS`` damped Newton steps
+    (Levenberg-Marquardt: a step that does not decrease ``-(log p + L_T)``, or whose damped
+    Hessian is not positive definite, is refused and the damping raised) from a prior draw
+    ``start``. The reference is ``N(mode, (R R^T)^{-1})`` with ``R R^T`` the Hessian at the
+    mode divided by ``REFERENCE_INFLATION**2``. A non-finite or non-positive-definite
+    curvature falls back to the unit matrix: the SMC then corrects the poor reference at the
+    price of more stages. Only plain ``jax.numpy`` linear algebra (:func:`_cholesky`).
     """
 
     def neg(u: jax.Array) -> jax.Array:
@@ -286,7 +462,8 @@ def _laplace(
         h = jax.hessian(neg)(u)
         h = 0.5 * (h + h.T)
         damp = lam * (jnp.mean(jnp.abs(jnp.diag(h))) + 1.0)
-        new = u - jnp.linalg.solve(h + damp * eye, g)
+        low = _cholesky(h + damp * eye)
+        new = u - _solve_upper(low.T, _solve_lower(low, g))
         f_new = neg(new)
         ok = jnp.isfinite(f_new) & (f_new <= f) & jnp.all(jnp.isfinite(new))
         return jnp.where(ok, new, u), jnp.where(ok, f_new, f), jnp.where(ok, lam / 10, lam * 10)
@@ -295,10 +472,9 @@ def _laplace(
     mode, _, _ = jax.lax.fori_loop(0, NEWTON_STEPS, newton, (start, neg(start), lam0))
     hess = jax.hessian(neg)(mode)
     hess = 0.5 * (hess + hess.T)
-    cov = jnp.linalg.inv(hess) * REFERENCE_INFLATION**2
-    chol = jnp.linalg.cholesky(cov)
-    ok = jnp.all(jnp.isfinite(chol))
-    return mode, jnp.where(ok, chol, eye)
+    prec = _cholesky(hess / REFERENCE_INFLATION**2)
+    ok = jnp.all(jnp.isfinite(prec)) & jnp.all(jnp.diag(prec) > 0)
+    return mode, jnp.where(ok, prec, eye)
 
 
 def _smc(
@@ -311,6 +487,7 @@ def _smc(
     key_init, key_loop = random.split(key)
     if reference is None:  # path from the prior
         particles = jax.vmap(target.init)(random.split(key_init, num))
+        local_var = jnp.full(particles.shape[-1], jnp.inf, particles.dtype)
 
         def log_ref(u: jax.Array) -> jax.Array:
             return target.log_prior(u)
@@ -319,15 +496,36 @@ def _smc(
             value = target.pieces(u, temperature)[0]
             return jnp.where(jnp.isnan(value), -jnp.inf, value)
 
-    else:  # path from a Gaussian reference q: pi_lambda = q^(1 - lambda) (p e^L)^lambda
-        mode, chol = reference
-        eps = random.normal(key_init, (num, mode.shape[-1]), mode.dtype)
-        particles = mode + eps @ chol.T
-        log_det = jnp.sum(jnp.log(jnp.diag(chol)))
+    else:  # path from the mixture reference q: pi_lambda = q^(1 - lambda) (p e^L)^lambda
+        # q = alpha p + (1 - alpha)/K sum_k N(mode_k, (R_k R_k^T)^{-1}); a Laplace draw is
+        # u = mode_k + R_k^{-T} eps, and log N_k needs R_k^T (u - mode_k) only, a matrix
+        # product (no triangular solve inside the loop; see _cholesky)
+        modes, precs = reference
+        n_starts, dim = modes.shape
+        alpha = settings.prior_weight
+        key_eps, key_comp, key_pick, key_prior = random.split(key_init, 4)
+        eps = random.normal(key_eps, (num, dim), modes.dtype)
+        comp = random.randint(key_comp, (num,), 0, n_starts)
+        laplace = jax.vmap(lambda c, e: modes[c] + _solve_upper(precs[c].T, e))(comp, eps)
+        from_prior = random.uniform(key_pick, (num,)) < alpha
+        prior_draws = jax.vmap(target.init)(random.split(key_prior, num))
+        particles = jnp.where(from_prior[:, None], prior_draws, laplace)
+        log_dets = jnp.sum(jnp.log(jax.vmap(jnp.diag)(precs)), -1)  # (K,)
+        log_2pi = 0.5 * dim * math.log(2 * math.pi)
+        log_w_laplace = math.log1p(-alpha) - math.log(n_starts) if alpha < 1 else -jnp.inf
+        # a bound on the HMC inverse mass matrix: the widest Laplace component's variances
+        # (the particle cloud's variance spans the gaps between modes: too wide to move in)
+        eye = jnp.eye(dim, dtype=modes.dtype)
+        inv = jax.vmap(lambda r: jax.vmap(lambda e: _solve_lower(r, e))(eye))(precs)
+        local_var = jnp.max(jnp.sum(inv**2, axis=-1), axis=0) / REFERENCE_INFLATION**2
+        local_var = jnp.where(jnp.isfinite(local_var), local_var, jnp.inf)
 
         def log_ref(u: jax.Array) -> jax.Array:
-            z = jax.scipy.linalg.solve_triangular(chol, u - mode, lower=True)
-            return -0.5 * jnp.sum(z**2) - log_det - 0.5 * z.shape[-1] * math.log(2 * math.pi)
+            z = jnp.einsum("kd,kde->ke", u - modes, precs)
+            log_n = -0.5 * jnp.sum(z**2, -1) + log_dets - log_2pi + log_w_laplace
+            if alpha > 0:
+                log_n = jnp.append(log_n, math.log(alpha) + target.log_prior(u))
+            return logsumexp(log_n)
 
         def loglik(u: jax.Array) -> jax.Array:
             value = target.log_prior(u) + target.pieces(u, temperature)[0] - log_ref(u)
@@ -360,7 +558,7 @@ def _smc(
         w = state.weights[:, None]
         mean = jnp.sum(w * state.particles, 0)
         var = jnp.sum(w * (state.particles - mean) ** 2, 0)
-        var = jnp.where(jnp.isfinite(var) & (var > 1e-12), var, 1.0)
+        var = jnp.where(jnp.isfinite(var) & (var > 1e-12), jnp.minimum(var, local_var), 1.0)
         params = {"step_size": step[None], "inverse_mass_matrix": var[None]}
         new, info = kernel(sub, state, settings.num_mcmc_steps, params)
         acc = jnp.mean(info.update_info.acceptance_rate)
@@ -380,7 +578,7 @@ def _smc(
     if per_element:
         element = jax.vmap(lambda u: target.pieces(u, temperature)[1])(state.particles)
         element = jnp.sum(state.weights[:, None] * element, 0)
-    return log_z, ess, stages, acc, element
+    return log_z, ess, stages, acc, element, state.tempering_param
 
 
 def build_runner(
@@ -400,9 +598,14 @@ def build_runner(
         target = _build_target(marked, args, kwargs, plate, fallback, global_names, key_fixed)
         keys = random.split(key_runs, settings.num_replicates)
 
+        key_starts, key_prior = random.split(random.fold_in(key_fixed, 1))
         if settings.reference == "laplace":
-            start = target.init(key_fixed)
-            refs = jax.vmap(lambda t: _laplace(target, t, start))(temps)
+            starts = jax.vmap(target.init)(random.split(key_starts, settings.num_starts))
+
+            def laplace_all(t: jax.Array) -> tuple:
+                return jax.vmap(lambda u: _laplace(target, t, u))(starts)
+
+            refs = jax.vmap(laplace_all)(temps)  # (M, K, D), (M, K, D, D)
         else:
             refs = None
 
@@ -410,6 +613,16 @@ def build_runner(
             return _smc(target, settings, k, t, ref, per_element)
 
         out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
-        return SMCRun(*out)
+        draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
+
+        def prior_check(t: jax.Array) -> tuple:
+            log_w = jax.vmap(lambda u: target.pieces(u, t)[0])(draws)
+            log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
+            log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
+            w = jnp.exp(log_w - jnp.max(log_w))
+            return log_mean, jnp.sum(w) ** 2 / jnp.sum(w**2)
+
+        prior_log_c, prior_ess = jax.lax.map(prior_check, temps)
+        return SMCRun(*out, prior_log_c, prior_ess)
 
     return run
