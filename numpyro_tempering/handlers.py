@@ -22,9 +22,16 @@ Which sites are tempered
   custom likelihoods are written). A factor that is really part of the prior (a penalty)
   can be left untempered with ``exclude=("name",)``.
 * **Never** sites that NumPyro or another handler adds while processing a model site: the
-  log-det-Jacobian factors of MCMC's potential (``_tau_log_det``), and auxiliary sites that
-  reparameterisers outside ``temper`` create. They are recognised by where they come from (a
-  site emitted while another site's message is being handled), not by their names.
+  log-det-Jacobian factors of MCMC's potential (also those emitted inside
+  ``numpyro.contrib.control_flow.scan`` and ``cond``), and the auxiliary sites and factors
+  of every reparameteriser (``LocScaleReparam``, ``TransformReparam``, ``CircularReparam``,
+  ``NeuTraReparam``, ...), whether ``reparam`` is inside or outside ``temper``. They are
+  recognised by their role (emitted while another message is being processed), not by
+  their names: :func:`numpyro_tempering.roles.site_role` is the one place that decides. An
+  auxiliary site is tempered only if named (``latent="mu_decentered"``).
+* Sites in a control-flow body are tempered as the user wrote them: the first steps of an
+  enumerated ``scan`` (which NumPyro renames with ``_PREV_`` prefixes) are tempered like the
+  rest, and ``latent="z"`` names them too.
 * ``latent=("z",)``: additionally temper these latent sites. The paper tempers
   p(x_i, z_i | beta) jointly: tempering the local latents is what flattens the objective for
   discrete locals (e.g. the topic assignments of LDA or the FMM's feature indicators).
@@ -60,7 +67,12 @@ What T can be
   advances by one each time the model runs with a clock value supplied by SVI, so
   ``svi.run`` anneals inside one compiled step. Without SVI's state (``log_density``,
   ``Predictive``) the schedule is read at step 0. MCMC has no optimisation step, so a
-  schedule under MCMC is an error.
+  schedule under MCMC is an error. An AutoGuide built on the annealed model
+  (``AutoNormal(temper(model, schedule))``) runs the model through ``initialize_model`` as
+  MCMC does; there the schedule is read at SVI's clock (step 0 while the guide builds
+  itself) and the clock is left for the model's own run to advance, so the guide does not
+  change the trajectory (the same holds for AutoDAIS, which runs the model's potential
+  inside the guide).
 
 Temperatures below 1 are allowed here when passed explicitly (they sharpen the likelihood);
 the schedule constructors refuse them unless asked.

@@ -87,7 +87,6 @@ Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
     >>> from numpyro.infer.util import log_density
     >>> from numpyro_tempering.ladder import Ladder
-from numpyro_tempering.roles import running_in
     >>> from numpyro_tempering.structure import model_sizes
     >>> from numpyro_tempering.multicanonical_model import multicanonical
     >>> def model(x):

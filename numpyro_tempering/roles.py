@@ -26,6 +26,23 @@ name) of the site the user wrote.
 "Emitted while another message is processed" is read from the interpreter's stack: the
 number of active :func:`numpyro.primitives.apply_stack` calls whose message is not a
 control-flow message. The message of the user's model is the outermost one.
+
+Example:
+    >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+    >>> from numpyro.handlers import trace
+    >>> from numpyro.infer.util import _unconstrain_params
+    >>> from numpyro.primitives import Messenger
+    >>> class record(Messenger):  # records every sample site's role as it passes
+    ...     roles = {}
+    ...     def process_message(self, msg):
+    ...         if msg["type"] == "sample":
+    ...             self.roles[msg["name"]] = site_role(msg)[1]
+    >>> def model():
+    ...     tau = numpyro.sample("tau", dist.Gamma(2.0, 1.0))
+    ...     numpyro.sample("y", dist.Normal(0.0, 1.0 / jnp.sqrt(tau)), obs=0.5)
+    >>> _ = trace(_unconstrain_params(record(model), {"tau": 0.1})).get_trace()
+    >>> record.roles  # MCMC's Jacobian factor is auxiliary
+    {'tau': 'latent', '_tau_log_det': 'auxiliary', 'y': 'observed'}
 """
 
 from __future__ import annotations

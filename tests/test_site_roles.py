@@ -193,6 +193,26 @@ def test_the_zoo_tempers_what_the_model_observes_and_nothing_numpyro_adds(
     lik = sum(jnp.sum(tr[n]["fn"].base_dist.log_prob(tr[n]["value"])) for n in expected)
     np.testing.assert_allclose(pe_T, pe_1 + lik - lik / T, rtol=1e-5)
     np.testing.assert_allclose(potential_energy(temper(model, 1.0), (), {}, params), pe_1)
+    # log_density (constrained values) and log_likelihood: equal at T = 1, lik / T at T
+    values = {n: tr[n]["value"] for n in params}
+    lp_1 = log_density(model, (), {}, values)[0]
+    np.testing.assert_allclose(log_density(temper(model, 1.0), (), {}, values)[0], lp_1)
+    lp_T = log_density(temper(model, T), (), {}, values)[0]
+    np.testing.assert_allclose(lp_T, lp_1 - lik + lik / T, rtol=1e-5)
+    draws = {n: jnp.asarray(v)[None] for n, v in values.items()}
+    plain = log_likelihood(model, draws)
+    for T_, tempered in ((1.0, log_likelihood(temper(model, 1.0), draws)),
+                         (T, log_likelihood(temper(model, T), draws))):
+        assert sorted(tempered) == sorted(plain)
+        for n in expected:
+            np.testing.assert_allclose(tempered[n], plain[n] / T_, rtol=1e-6)
+    # Trace_ELBO with a point-mass guide: equal at T = 1
+    guide = autoguide.AutoDelta(model)
+    svi = SVI(model, guide, optax.sgd(0.0), Trace_ELBO())
+    guide_params = svi.get_params(svi.init(KEY))
+    loss_1 = Trace_ELBO().loss(KEY, guide_params, model, guide)
+    loss_one = Trace_ELBO().loss(KEY, guide_params, temper(model, 1.0), guide)
+    np.testing.assert_allclose(loss_one, loss_1, rtol=1e-6)
 
 
 # --------------------------------------------------------------------------------------
