@@ -400,6 +400,25 @@ def test_autoguides_build_on_an_annealed_model_and_fit(guide_class):
     assert int(clock["step"]) == 7 and float(clock["temperature"]) == 1.0
 
 
+def test_auto_semi_dais_builds_on_an_annealed_model_and_the_guide_never_advances_the_clock():
+    def model(y=YS):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("n", 4, subsample_size=2) as idx:
+            z = numpyro.sample("z", dist.Normal(mu, 1.0))
+            numpyro.sample("y", dist.Normal(z, 1.0), obs=y[idx])
+
+    def local_guide(y=YS):
+        with numpyro.plate("n", 4, subsample_size=2):
+            numpyro.sample("z", dist.Normal(numpyro.param("z_loc", 0.0), 1.0))
+
+    annealed = temper(model, SCHEDULE)
+    global_guide = autoguide.AutoNormal(handlers.block(annealed, hide=["z", "y"]))
+    guide = autoguide.AutoSemiDAIS(annealed, local_guide, global_guide)
+    result = SVI(annealed, guide, optax.adam(0.01), Trace_ELBO()).run(KEY, 7, progress_bar=False)
+    assert np.all(np.isfinite(result.losses))
+    assert int(result.state.mutable_state["_temper_clock"]["step"]) == 7  # one per update
+
+
 def test_autodelta_on_the_annealed_model_follows_the_exact_tempered_gradient_trajectory():
     annealed = temper(conjugate, SCHEDULE)
     svi = SVI(annealed, autoguide.AutoDelta(annealed), optax.sgd(0.05), Trace_ELBO())
