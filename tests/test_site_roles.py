@@ -236,6 +236,24 @@ def test_scan_jacobians_are_not_tempered_in_the_nuts_potential():
     assert [n for n in tr if n.endswith("log_det")] and tempered_names(tr) == ["y"]
 
 
+def test_temper_inside_the_scan_body_leaves_the_jacobians_alone_too():
+    def model(y=YS):
+        rho = numpyro.sample("rho", dist.Uniform(-1.0, 1.0))
+
+        def step(x_prev, y_t):
+            x = numpyro.sample("x", dist.Normal(rho * x_prev, 1.0))
+            tau = numpyro.sample("tau", dist.Gamma(2.0, 2.0))
+            numpyro.sample("y", dist.Normal(x, 1.0 / jnp.sqrt(tau)), obs=y_t)
+            return x, None
+
+        scan(temper(step, T), 0.0, y)
+
+    pe_1 = potential_energy(state_space, (), {}, SS_PARAMS)
+    lik = state_space_likelihood({"x": SS_PARAMS["x"], "tau": jnp.exp(SS_PARAMS["tau"])})
+    pe_T = potential_energy(model, (), {}, SS_PARAMS)
+    np.testing.assert_allclose(pe_T, pe_1 + lik - lik / T, rtol=1e-6)
+
+
 def test_multicanonical_on_a_scan_model_with_jacobians():
     from numpyro_tempering.ladder import Ladder
     from numpyro_tempering.multicanonical_model import multicanonical
