@@ -22,9 +22,16 @@ Which sites are tempered
   custom likelihoods are written). A factor that is really part of the prior (a penalty)
   can be left untempered with ``exclude=("name",)``.
 * **Never** sites that NumPyro or another handler adds while processing a model site: the
-  log-det-Jacobian factors of MCMC's potential (``_tau_log_det``), and auxiliary sites that
-  reparameterisers outside ``temper`` create. They are recognised by where they come from (a
-  site emitted while another site's message is being handled), not by their names.
+  log-det-Jacobian factors of MCMC's potential (also those emitted inside
+  ``numpyro.contrib.control_flow.scan`` and ``cond``), and the auxiliary sites and factors
+  of every reparameteriser (``LocScaleReparam``, ``TransformReparam``, ``CircularReparam``,
+  ``NeuTraReparam``, ...), whether ``reparam`` is inside or outside ``temper``. They are
+  recognised by their role (emitted while another message is being processed), not by
+  their names: :func:`numpyro_tempering.roles.site_role` is the one place that decides. An
+  auxiliary site is tempered only if named (``latent="mu_decentered"``).
+* Sites in a control-flow body are tempered as the user wrote them: the first steps of an
+  enumerated ``scan`` (which NumPyro renames with ``_PREV_`` prefixes) are tempered like the
+  rest, and ``latent="z"`` names them too.
 * ``latent=("z",)``: additionally temper these latent sites. The paper tempers
   p(x_i, z_i | beta) jointly: tempering the local latents is what flattens the objective for
   discrete locals (e.g. the topic assignments of LDA or the FMM's feature indicators).
@@ -60,7 +67,12 @@ What T can be
   advances by one each time the model runs with a clock value supplied by SVI, so
   ``svi.run`` anneals inside one compiled step. Without SVI's state (``log_density``,
   ``Predictive``) the schedule is read at step 0. MCMC has no optimisation step, so a
-  schedule under MCMC is an error.
+  schedule under MCMC is an error. An AutoGuide built on the annealed model
+  (``AutoNormal(temper(model, schedule))``) runs the model through ``initialize_model`` as
+  MCMC does; there the schedule is read at SVI's clock (step 0 while the guide builds
+  itself) and the clock is left for the model's own run to advance, so the guide does not
+  change the trajectory (the same holds for AutoDAIS, which runs the model's potential
+  inside the guide).
 
 Temperatures below 1 are allowed here when passed explicitly (they sharpen the likelihood);
 the schedule constructors refuse them unless asked.
@@ -82,6 +94,14 @@ from numpyro.primitives import _PYRO_STACK, Messenger, mutable
 from numpyro.util import not_jax_tracer
 
 from numpyro_tempering import schedules as _schedules
+from numpyro_tempering.roles import (
+    AUXILIARY,
+    OBSERVED,
+    emission_depth,
+    mark_origin,
+    running_in_method_of,
+    site_role,
+)
 from numpyro_tempering.schedules import check_temperature
 
 try:  # NumPyro >= 0.19: the handler the MCMC potential substitutes unconstrained values with
@@ -192,10 +212,11 @@ class Selection:
         named = self.sites if isinstance(self.sites, frozenset) else frozenset()
         return named | self.latent | self.exclude
 
-    def selects(self, msg: dict, observed: bool) -> bool:
+    def selects(self, msg: dict, observed: bool, name: str | None = None) -> bool:
         """Whether the model's sample site ``msg`` is tempered; ``observed``: whether the
-        site is, or will be made, observed."""
-        name = msg["name"]
+        site is, or will be made, observed; ``name``: the name the user wrote (default
+        ``msg["name"]``; see :func:`numpyro_tempering.roles.site_role`)."""
+        name = msg["name"] if name is None else name
         if name in self.exclude:
             return False
         if callable(self.sites):
@@ -357,6 +378,14 @@ def mixture_of(fn: Distribution) -> Distribution | None:
     return fn if hasattr(fn, "component_log_probs") else None
 
 
+def _inside_autoguide() -> bool:
+    """Whether the model runs inside an AutoGuide (building its prototype trace through
+    ``initialize_model``, or evaluating the potential as AutoDAIS does), not under MCMC."""
+    from numpyro.infer.autoguide import AutoGuide
+
+    return running_in_method_of(AutoGuide)
+
+
 def under_mcmc() -> bool:
     """Whether the model runs inside NumPyro's MCMC potential (unconstrained substitution)."""
     for handler in _PYRO_STACK:
@@ -423,21 +452,24 @@ class temper(Messenger):
         self._inv_temperature: Any = None
         self._seen: set[str] = set()
         self._tempered: set[str] = set()
-        self._depth = 0
+        self._base_depth = 0
         super().__init__(fn)
 
     # -- selection -----------------------------------------------------------------------
-    def selects(self, msg: dict) -> bool:
-        """Whether this handler tempers the sample site described by ``msg``.
+    def role(self, msg: dict) -> tuple[str, str]:
+        """``(name, role)`` of the sample site ``msg`` for this handler
+        (:func:`numpyro_tempering.roles.site_role`): a site counts as observed if it is, or
+        if a ``condition`` handler outside this one will condition it."""
+        observed = bool(msg.get("is_observed")) or self._conditioned_outside(msg)
+        return site_role(msg, self._base_depth, observed)
 
-        ``msg`` is a site of the user's model (auxiliary sites never reach this test). A
-        site counts as observed if it is, or if a ``condition`` handler outside this one
-        will condition it.
-        """
-        observed = self.selection.sites is None and (
-            bool(msg.get("is_observed")) or self._conditioned_outside(msg)
-        )  # only the default selection asks
-        return self.selection.selects(msg, observed)
+    def selects(self, msg: dict) -> bool:
+        """Whether this handler tempers the sample site described by ``msg``: never an
+        auxiliary site unless named, else as :meth:`Selection.selects` says."""
+        name, role = self.role(msg)
+        if role == AUXILIARY and not self.selection.tempers_latent(name):
+            return False
+        return self.selection.selects(msg, role == OBSERVED, name)
 
     def _outer_handlers(self) -> list:
         for i, handler in enumerate(_PYRO_STACK):
@@ -473,11 +505,12 @@ class temper(Messenger):
     def _start(self) -> None:
         self._seen = set()
         self._tempered = set()
-        self._depth = 0
+        self._base_depth = emission_depth(inside_message=False)
         if self.schedule is None:
             temperature = self.temperature
         else:
-            if under_mcmc():
+            in_guide = _inside_autoguide()
+            if under_mcmc() and not in_guide:
                 raise ValueError(
                     "temper: an annealing schedule under MCMC. MCMC has no optimisation step "
                     "for the schedule's clock to follow (it would run at schedule(0) "
@@ -488,7 +521,10 @@ class temper(Messenger):
             if state is None:  # no handler records mutable state: evaluate at step 0
                 state = fresh
             temperature = self._at(state["step"])
-            if state is not fresh:  # SVI supplied the clock: advance it for the next update
+            if state is not fresh and not in_guide:
+                # SVI supplied the clock: advance it for the next update. (An AutoGuide that
+                # runs the model, to build itself or for its potential as AutoDAIS does,
+                # reads the clock and leaves it to the model's own run.)
                 state["step"] = state["step"] + 1
                 state["temperature"] = temperature
         self._inv_temperature = inverse_temperature(temperature)
@@ -529,19 +565,22 @@ class temper(Messenger):
             )
 
     def process_message(self, msg: dict) -> None:
-        # A message that arrives while another one is being handled (between our
-        # process_message and postprocess_message of that one) was emitted by a handler,
-        # not by the model: MCMC's Jacobian factors, reparameterisers' auxiliary sites.
-        auxiliary = self._depth > 0
-        self._depth += 1
-        if msg["type"] != "sample" or auxiliary:
+        if msg["type"] == "control_flow":  # record the roles of the body's sites where
+            # they are emitted (the body runs out of sight; its sites are replayed later)
+            msg["kwargs"]["substitute_stack"].append(("substitute", mark_origin))
             return
-        self._seen.add(msg["name"])
-        if not self.selects(msg):
+        if msg["type"] != "sample":
+            return
+        name, role = self.role(msg)
+        if role == AUXILIARY and not self.selection.tempers_latent(name):
+            return  # emitted by a handler (Jacobians, reparameterisers' sites): never
+            # tempered unless named (e.g. the decentred site of a LocScaleReparam)
+        self._seen.add(name)
+        if not self.selection.selects(msg, role == OBSERVED, name):
             return
         beta = self._inv_temperature
         self._check_shape(msg, beta)
-        if not msg.get("is_observed") and self.selection.tempers_latent(msg["name"]):
+        if not msg.get("is_observed") and self.selection.tempers_latent(name):
             self._check_not_reparameterised_outside(msg)
         if self.selection.joint and mixture_of(msg["fn"]) is not None:
             msg["fn"] = JointlyTempered(msg["fn"], beta)
@@ -551,13 +590,13 @@ class temper(Messenger):
         self._tempered.add(msg["name"])
 
     def postprocess_message(self, msg: dict) -> None:
-        self._depth = max(self._depth - 1, 0)
         # ``replay`` (outside the model in every ELBO) replaces ``msg["infer"]`` with a copy of
         # the guide site's after this handler ran: mark that copy again. It is a fresh dict
         # that ``trace`` shares with the recorded site, so marking it in place is what the
         # recorded trace shows.
-        if msg["type"] == "sample" and self._depth == 0 and msg["name"] in self._tempered:
-            msg["infer"][TEMPERED] = True
+        if msg["type"] == "sample" and msg["name"] in self._tempered:
+            if not msg["infer"].get(TEMPERED):
+                msg["infer"][TEMPERED] = True
 
 
 # ---------------------------------------------------------------------------------------

@@ -46,6 +46,11 @@ e.g. the Jacobian factors of MCMC's potential, keep their densities, so NUTS on
 ``multicanonical(model, ladder)`` samples the multicanonical posterior. The model sizes are
 checked against the ladder's (a ladder without sizes is refused), and ``numpyro.param``
 sites are refused (they would make the ladder's log C stale).
+:func:`numpyro.infer.util.log_likelihood` (and so ``az.from_numpyro``'s log-likelihood group,
+``az.loo``, ``az.waic``) on a multicanonical model is a ``ValueError`` naming the observed
+sites: their densities enter only through the factor, which does not factorise over
+observations, so there is no per-observation log likelihood of this model to report (NumPyro
+would return zeros).
 
 Relation to the M-ELBO
 ----------------------
@@ -107,11 +112,13 @@ import jax
 import jax.numpy as jnp
 import numpyro
 from numpyro.handlers import seed, substitute, trace
+from numpyro.infer.util import log_likelihood
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, JointlyTempered, Selection, temper
 from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.roles import running_in
 from numpyro_tempering.structure import (
     plate_not_found,
     sizes_from_sites,
@@ -239,6 +246,17 @@ class multicanonical(Messenger):
     def _emit(self) -> None:
         if not self._records:
             return  # nothing tempered (e.g. Predictive without data): nothing to add
+        if running_in(log_likelihood):
+            observed = sorted(r["name"] for r in self._records if r["is_observed"])
+            raise ValueError(
+                f"multicanonical: log_likelihood of the observed site(s) {observed} is not "
+                "defined for a multicanonical model: their densities enter only through the "
+                f"factor '{self.name}' (a log-sum-exp over the ladder that does not factorise "
+                "over observations), so NumPyro would report zeros for them, and az.loo/az.waic "
+                "would be meaningless. For LOO/WAIC of the target model, compute "
+                "numpyro.infer.util.log_likelihood on the model itself (untempered), with "
+                "draws from that model's posterior."
+            )
         if self._params:
             raise ValueError(stale_params_message(sorted(set(self._params)), "multicanonical"))
         if not any(r["is_observed"] for r in self._records):

@@ -8,7 +8,8 @@ r"""The structure of a model, read from its trace: one home for what several mod
 * :func:`structure_trace`, :func:`model_params` -- one abstract run of a model
   (``jax.eval_shape``: nothing is computed) and its ``numpyro.param`` sites;
 * :class:`~numpyro_tempering.handlers.Selection` -- which sites are tempered and how
-  (re-exported here).
+  (re-exported here), among the sites :func:`~numpyro_tempering.roles.site_role` says are
+  the user's (never those NumPyro adds: Jacobians, reparameterisers' sites).
 
 Example:
     >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
