@@ -74,8 +74,6 @@ heated up instead of cooling with it (docs/lda.md, "Why MVI heated up").
 
 from __future__ import annotations
 
-from functools import partial
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,29 +150,6 @@ def topic_log_sums(topics: np.typing.ArrayLike, temperatures: np.typing.ArrayLik
         return np.asarray(out)
 
 
-@partial(jax.jit, static_argnums=3)
-def _length_table(log_b, inv_t, alpha, max_length):
-    n = jnp.arange(max_length + 1.0)
-    total = jnp.sum(alpha)
-    lag = jnp.arange(max_length + 1)[:, None] - jnp.arange(max_length + 1)[None, :]
-    valid = lag >= 0
-    lag = jnp.where(valid, lag, 0)
-
-    def one(args):
-        lb, h = args
-        log_f = (n[:, None] * lb[None, :] + gammaln(alpha[None, :] + n[:, None] * h)
-                 - gammaln(alpha)[None, :] - gammaln(n + 1.0)[:, None])  # (L+1, K)
-
-        def convolve(acc, lf):
-            terms = jnp.where(valid, acc[None, :] + lf[lag], -jnp.inf)
-            return jax.nn.logsumexp(terms, axis=1), None
-
-        acc, _ = jax.lax.scan(convolve, log_f[:, 0], log_f[:, 1:].T)
-        return acc + gammaln(n + 1.0) + gammaln(total) - gammaln(total + n * h)
-
-    return jax.lax.map(one, (log_b, inv_t)).T  # (L+1, M)
-
-
 def _log_terms(log_b, inv_t, alpha, size):
     """(M, size, K) log f_k(n) = n log b_k + log Gamma(alpha_k + n h) - log Gamma(alpha_k)
     - log n!, n < size."""
@@ -182,6 +157,35 @@ def _log_terms(log_b, inv_t, alpha, size):
     return (n[None, :, None] * log_b[:, None, :]
             + gammaln(alpha[None, None, :] + n[None, :, None] * inv_t[:, None, None])
             - gammaln(alpha)[None, None, :] - gammaln(n + 1.0)[None, :, None])
+
+
+def _dirichlet_factor(inv_t, alpha, size):
+    """(size, M) log of L! Gamma(A) / Gamma(A + L h), the factor that turns the
+    coefficient of x^L into log C (A = sum_k alpha_k)."""
+    n = jnp.arange(size, dtype=inv_t.dtype)
+    total = jnp.sum(alpha)
+    return (gammaln(n + 1.0)[:, None] + gammaln(total)
+            - gammaln(total + n[:, None] * inv_t[None, :]))
+
+
+@jax.jit
+def _log_coefficients(log_f):
+    """(M, L+1) log of the coefficients of x^L in prod_k sum_n f_k(n) x^n, from log_f
+    (M, L+1, K): K convolutions in log space (log-sum-exp: exact whatever the range)."""
+    size = log_f.shape[1]
+    lag = jnp.arange(size)[:, None] - jnp.arange(size)[None, :]
+    valid = lag >= 0
+    lag = jnp.where(valid, lag, 0)
+
+    def one(lf_all):
+        def convolve(acc, lf):
+            terms = jnp.where(valid, acc[None, :] + lf[lag], -jnp.inf)
+            return jax.nn.logsumexp(terms, axis=1), None
+
+        acc, _ = jax.lax.scan(convolve, lf_all[:, 0], lf_all[:, 1:].T)
+        return acc
+
+    return jax.lax.map(one, log_f)
 
 
 #: values below this (relative to a sequence's maximum) are set to 0 in the linear passes:
@@ -233,21 +237,21 @@ EXACT_LENGTH = 128
 PASS_FLOOR = 300.0
 
 
-def _windowed_table(log_b, inv_t, alpha, max_length, exact):
+def _windowed_table(log_f, exact):
     """Extend the log-coefficients known exactly for lengths <= EXACT_LENGTH ((M, E+1)) to
-    max_length by tilted linear-space passes (:func:`_tilted_pass`). Each pass is tilted by
-    minus the log-coefficients' slope at the frontier (the last length known), so that the
-    coefficients beyond it decay from about the scale they have there; it yields every
-    length whose coefficient stays within exp(-PASS_FLOOR) of the pass's maximum, and the
-    next pass starts from the new frontier. Only the rungs still short of max_length are
-    passed (padded to a power of two, to bound recompilation). A rung the passes cannot
-    finish gets the log-space convolution for its whole length (exact, slower)."""
-    m = inv_t.shape[0]
-    log_f = _log_terms(jnp.asarray(log_b), jnp.asarray(inv_t), jnp.asarray(alpha),
-                       max_length + 1)
-    coef = np.full((m, max_length + 1), np.nan)
+    every length of ``log_f`` (M, L+1, K) by tilted linear-space passes
+    (:func:`_tilted_pass`). Each pass is tilted by minus the log-coefficients' slope at the
+    frontier (the last length known), so that the coefficients beyond it decay from about
+    the scale they have there; it yields every length whose coefficient stays within
+    exp(-PASS_FLOOR) of the pass's maximum, and the next pass starts from the new frontier.
+    Only the rungs still short of the end are passed (padded to a power of two, to bound
+    recompilation). A rung the passes cannot finish gets the log-space convolution for its
+    whole length (exact, slower)."""
+    m, size = log_f.shape[0], log_f.shape[1]
+    max_length = size - 1
+    coef = np.full((m, size), np.nan)
     coef[:, : exact.shape[1]] = exact
-    known = np.zeros((m, max_length + 1), bool)
+    known = np.zeros((m, size), bool)
     known[:, : exact.shape[1]] = True
     stuck = np.zeros(m, bool)
     for _ in range(64):
@@ -255,8 +259,8 @@ def _windowed_table(log_b, inv_t, alpha, max_length, exact):
         todo = np.flatnonzero((frontier < max_length) & ~stuck)
         if todo.size == 0:
             break
-        size = 1 << int(np.ceil(np.log2(todo.size)))
-        rows = np.concatenate([todo, np.full(size - todo.size, todo[0])])
+        width = 1 << int(np.ceil(np.log2(todo.size)))
+        rows = np.concatenate([todo, np.full(width - todo.size, todo[0])])
         slope = coef[rows, frontier[rows]] - coef[rows, frontier[rows] - 1]
         value, rel = (np.asarray(x)[: todo.size] for x in _tilted_pass(
             log_f[jnp.asarray(rows)], jnp.asarray(-slope)))
@@ -266,12 +270,7 @@ def _windowed_table(log_b, inv_t, alpha, max_length, exact):
         stuck[todo] = ~fresh.any(axis=1)
     left = np.flatnonzero(~known.all(axis=1))
     if left.size:
-        full = np.asarray(_length_table(jnp.asarray(log_b[left]), jnp.asarray(inv_t[left]),
-                                        jnp.asarray(alpha), max_length)).T
-        n = np.arange(max_length + 1.0)
-        factor = np.asarray(gammaln(n + 1.0)[None, :] + gammaln(alpha.sum())
-                            - gammaln(alpha.sum() + n[None, :] * inv_t[left, None]))
-        coef[left] = full - factor
+        coef[left] = np.asarray(_log_coefficients(log_f[jnp.asarray(left)]))
     return coef
 
 
@@ -312,31 +311,12 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
     if not np.all(np.isfinite(log_b)):
         return np.full((int(max_length) + 1, inv_t.size), np.nan)
     max_length = int(max_length)
-    if max_length > EXACT_LENGTH:
-        return _windowed(log_b, inv_t, alpha, max_length)
-    return _length_log_space(log_b, temperatures, alpha, max_length)
-
-
-def _length_log_space(log_b, temperatures, alpha, max_length: int) -> np.ndarray:
-    """The log-space convolution for every length up to ``max_length`` (no tilt: exact
-    whatever the range of the coefficients, :math:`O(K L^2)` exponentials)."""
-    inv_t = _inverse_temperatures(temperatures)
     with jax.enable_x64(True):
-        return np.asarray(_length_table(jnp.asarray(log_b), jnp.asarray(inv_t),
-                                        jnp.asarray(alpha), int(max_length)))
-
-
-def _windowed(log_b, inv_t, alpha, max_length: int) -> np.ndarray:
-    """The log-space convolution up to EXACT_LENGTH, continued by tilted linear passes."""
-    with jax.enable_x64(True):
-        n = jnp.arange(max_length + 1.0)
-        factor = np.asarray(gammaln(n + 1.0)[:, None] + gammaln(alpha.sum())
-                            - gammaln(alpha.sum() + n[:, None] * inv_t[None, :]))  # (L+1, M)
-        head = np.asarray(_length_table(jnp.asarray(log_b), jnp.asarray(inv_t),
-                                        jnp.asarray(alpha), EXACT_LENGTH))
-        coef = _windowed_table(log_b, inv_t, alpha, max_length,
-                               (head - factor[: EXACT_LENGTH + 1]).T)
-    return coef.T + factor
+        inv_t, alpha, log_b = jnp.asarray(inv_t), jnp.asarray(alpha), jnp.asarray(log_b)
+        log_f = _log_terms(log_b, inv_t, alpha, max_length + 1)
+        head = np.asarray(_log_coefficients(log_f[:, : min(max_length, EXACT_LENGTH) + 1]))
+        coef = _windowed_table(log_f, head) if max_length > EXACT_LENGTH else head
+        return coef.T + np.asarray(_dirichlet_factor(inv_t, alpha, max_length + 1))
 
 
 def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,

@@ -262,7 +262,7 @@ class Multicanonical(NamedTuple):
 class StepInfo(NamedTuple):
     """Per-update record: the step size ``rho``; ``temperature``: T (AVI) or the mean over
     the minibatch's documents of :math:`\\mathbb E_{q(y_d)}[T]` (MVI); ``iterations``: mean
-    local sweeps per document."""
+    local sweeps per document (MVI: summed over its anchor fits)."""
 
     rho: jax.Array
     temperature: jax.Array
