@@ -48,9 +48,8 @@ T = 2.5
 YS = jnp.array([0.3, -0.4, 1.1, 0.7])
 
 
-def state_space(y=YS):
-    """AR(1) latent states, a Gamma observation precision per step, y observed (scan)."""
-    rho = numpyro.sample("rho", dist.Uniform(-1.0, 1.0))
+def state_space_step(rho):
+    """One step of the state-space model: AR(1) state, Gamma precision, y observed."""
 
     def step(x_prev, y_t):
         x = numpyro.sample("x", dist.Normal(rho * x_prev, 1.0))
@@ -58,7 +57,13 @@ def state_space(y=YS):
         numpyro.sample("y", dist.Normal(x, 1.0 / jnp.sqrt(tau)), obs=y_t)
         return x, None
 
-    scan(step, 0.0, y)
+    return step
+
+
+def state_space(y=YS):
+    """AR(1) latent states, a Gamma observation precision per step, y observed (scan)."""
+    rho = numpyro.sample("rho", dist.Uniform(-1.0, 1.0))
+    scan(state_space_step(rho), 0.0, y)
 
 
 def state_space_likelihood(values, y=YS):
@@ -239,14 +244,7 @@ def test_scan_jacobians_are_not_tempered_in_the_nuts_potential():
 def test_temper_inside_the_scan_body_leaves_the_jacobians_alone_too():
     def model(y=YS):
         rho = numpyro.sample("rho", dist.Uniform(-1.0, 1.0))
-
-        def step(x_prev, y_t):
-            x = numpyro.sample("x", dist.Normal(rho * x_prev, 1.0))
-            tau = numpyro.sample("tau", dist.Gamma(2.0, 2.0))
-            numpyro.sample("y", dist.Normal(x, 1.0 / jnp.sqrt(tau)), obs=y_t)
-            return x, None
-
-        scan(temper(step, T), 0.0, y)
+        scan(temper(state_space_step(rho), T), 0.0, y)
 
     pe_1 = potential_energy(state_space, (), {}, SS_PARAMS)
     lik = state_space_likelihood({"x": SS_PARAMS["x"], "tau": jnp.exp(SS_PARAMS["tau"])})
