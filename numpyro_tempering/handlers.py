@@ -43,10 +43,11 @@ Which sites are tempered
 * ``joint=True``: where a discrete local has been summed out of the model, so that an
   observed site's distribution is a mixture p(x_n | beta) = sum_k p(x_n, z_n = k | beta)
   (NumPyro's ``MixtureSameFamily``/``MixtureGeneral``, or any distribution with
-  ``component_log_probs(value)`` returning log p(x, z = k) on a last axis), temper the joint
-  before the sum, as the paper does: log sum_k p(x_n, z_n = k | beta)^(1/T). Tempering the
-  marginal instead gives (1/T) log sum_k p(x_n, z_n = k | beta), a different
-  (flatter-in-z, sharper-in-beta) objective. With an *enumerated* local
+  ``component_log_probs(value)`` returning log p(x, z = k) on a last axis, or its own
+  ``jointly_tempered_log_prob(value, inv_temperature)``), temper the joint before the sum,
+  as the paper does: log sum_k p(x_n, z_n = k | beta)^(1/T). Tempering the marginal
+  instead gives (1/T) log sum_k p(x_n, z_n = k | beta), a different (flatter-in-z,
+  sharper-in-beta) objective. With an *enumerated* local
   (``TraceEnum_ELBO``), ``latent="z"`` is the joint tempering: both p(z) and p(x | z) are
   raised to 1/T before the enumeration sums over z.
 
@@ -367,15 +368,22 @@ class JointlyTempered(Distribution):
 
     def log_prob(self, value):
         beta = jnp.asarray(self.inv_temperature)
+        own = getattr(self.mixture, "jointly_tempered_log_prob", None)
+        if own is not None:  # a distribution that tempers its summed-out locals itself
+            return own(value, beta)
         beta = beta[..., None] if beta.ndim else beta
         return logsumexp(beta * self.mixture.component_log_probs(value), axis=-1)
 
 
 def mixture_of(fn: Distribution) -> Distribution | None:
-    """The distribution exposing ``component_log_probs`` under plate expansions, if any."""
+    """The distribution exposing ``component_log_probs`` (or its own
+    ``jointly_tempered_log_prob(value, inv_temperature)``, for locals that are not one
+    categorical per value, e.g. a topic per word of a document) under plate expansions, if
+    any."""
     while isinstance(fn, ExpandedDistribution):
         fn = fn.base_dist
-    return fn if hasattr(fn, "component_log_probs") else None
+    joint = hasattr(fn, "component_log_probs") or hasattr(fn, "jointly_tempered_log_prob")
+    return fn if joint else None
 
 
 def _inside_autoguide() -> bool:

@@ -9,6 +9,8 @@ reparameterised Dirichlet sampler), so the module runs only two fits.
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -124,16 +126,60 @@ def test_annealed_amortised_fit_improves_and_records_temperatures(annealed_fit, 
     assert score > np.log(1.0 / V)  # better than uniform topics
 
 
-def test_multicanonical_fit_runs_with_per_document_log_c(data):
-    """MVI through MulticanonicalELBO(plate="docs") with the collapsed eq. 6-7 normaliser:
-    the recorded E_q[T] stays on the ladder, the loss is finite."""
+def test_multicanonical_fit_cools_with_the_exact_joint_normaliser(data):
+    """MVI (the default joint form: JointWordCounts with the exact log C_d(T | mean topics)
+    as data, recomputed every 5 updates): E_q[T] stays on the ladder, starts hot (random
+    topics explain nothing) and cools by the end; the loss is finite."""
     train, (observed, heldout) = data
     ladder = Ladder.geometric(1.0, 10.0, 6)
-    res = lda_blackbox.fit(train, K, guide="logistic_normal", passes=2, batch_size=20,
-                           temperature=ladder, seed=1, progress_bar=True)
+    res = lda_blackbox.fit(train, K, guide="logistic_normal", passes=10, batch_size=20,
+                           temperature=ladder, seed=1, log_c_every=5, progress_bar=True)
     assert res.num_nonfinite == 0 and res.temperatures.shape == (res.num_steps,)
     assert np.all((res.temperatures >= 1.0 - 1e-9) & (res.temperatures <= 10.0 + 1e-9))
+    assert res.temperatures[-3:].mean() < res.temperatures[:3].mean() - 0.5
     assert np.isfinite(lda_svi.heldout_log_likelihood(res.lam, observed, heldout))
+
+
+def test_joint_word_counts_is_the_tempered_joint_summed_over_topics():
+    """Through ``temper(model, T, joint=True)``: the words' log density is
+    sum_tokens log sum_k (theta_k beta_kw)^(1/T) - log C_d(T | beta), by brute force over
+    every topic assignment of a document's tokens; at T = 1 it is the collapsed WordCounts';
+    at a T off the table's ladder it is NaN. With the normaliser of lda_partition (tested
+    there to normalise the tempered model), the site is a proper tempered likelihood."""
+    from numpyro_tempering import temper
+    from numpyro_tempering.models import lda_partition
+
+    rng = np.random.default_rng(4)
+    beta, theta = rng.dirichlet(np.ones(V), K), rng.dirichlet(np.ones(K), 2)
+    tokens = [[0, 3, 3, 7], [5, 5, 1, 0]]
+    corpus = corpora.from_bow([sorted(zip(*np.unique(t, return_counts=True), strict=True))
+                               for t in tokens], V)
+    temps = np.array([1.0, 2.0, 5.0])
+    table = lda_partition.length_log_partition(
+        lda_partition.topic_log_sums(beta, temps, expected=False), temps, 1.0 / K, 4)[
+        corpus.lengths]  # (D, M)
+    model = lda_blackbox.make_model(K, V, joint=True, inv_temperatures=1.0 / temps)
+    values = {"beta": jnp.asarray(beta), "theta": jnp.asarray(theta)}
+    for t in (*temps, 3.0):
+        _, tr = log_density(temper(model, float(t), joint=True),
+                            (corpus.ids, corpus.counts, jnp.asarray(table)), {}, values)
+        got = np.asarray(tr["words"]["fn"].log_prob(tr["words"]["value"]))
+        if t == 3.0:
+            assert np.all(np.isnan(got))
+            continue
+        m = int(np.flatnonzero(temps == t)[0])
+        for d, doc in enumerate(tokens):
+            brute = sum(np.prod([(theta[d, z] * beta[z, w]) ** (1 / t)
+                                 for z, w in zip(zs, doc, strict=True)])
+                        for zs in itertools.product(range(K), repeat=len(doc)))
+            np.testing.assert_allclose(got[d], np.log(brute) - table[d, m], rtol=1e-5)
+    _, plain = log_density(lda_blackbox.make_model(K, V), (corpus.ids, corpus.counts), {},
+                           values)
+    _, joint = log_density(temper(model, 1.0, joint=True),
+                           (corpus.ids, corpus.counts, jnp.asarray(table)), {}, values)
+    np.testing.assert_allclose(
+        np.asarray(joint["words"]["fn"].log_prob(joint["words"]["value"])),
+        np.asarray(plain["words"]["fn"].log_prob(plain["words"]["value"])), rtol=1e-6)
 
 
 def test_fit_validates(data):

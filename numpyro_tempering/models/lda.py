@@ -54,6 +54,7 @@ from jax.scipy.special import logsumexp
 from numpyro.util import not_jax_tracer
 
 __all__ = [
+    "JointWordCounts",
     "LDAData",
     "WordCounts",
     "corpus_model",
@@ -327,15 +328,97 @@ class WordCounts(dist.Distribution):
         return jnp.sum(jnp.where(value > 0, value * jnp.log(safe), 0.0), axis=-1)
 
 
+class JointWordCounts(WordCounts):
+    r""":class:`WordCounts` that keeps its topics for **joint** tempering (``temper(...,
+    joint=True)``, ``MulticanonicalELBO(..., joint=True)``): each token's topic assignment
+    :math:`z` is summed out *after* tempering, as in the paper's updates (supplement eq. 9)
+    and the conjugate route (:mod:`~numpyro_tempering.models.lda_svi`),
+
+    .. math::
+
+        \log p_T(w_d \mid \theta_d, \beta) = \sum_w n_{dw}\log\sum_k
+            (\theta_{dk}\beta_{k v_w})^{1/T} - \log C_d(T \mid \bar\beta),
+
+    normalised by the document's own :math:`C_d(T\mid\beta)` of
+    :mod:`~numpyro_tempering.models.lda_partition` when a table ``log_c`` (..., M) at the
+    ``inv_temperatures`` (M,) of a ladder is given (the table is data: it is computed
+    outside the model, at the topics' current mean :math:`\bar\beta`, and held fixed for
+    the gradient, as eq. 16 omits :math:`\partial\log C/\partial\lambda`). With the
+    normaliser inside the likelihood, the ladder's own log C is 0 (``element_log_c`` of
+    zeros): eq. 18 is unchanged. At T = 1 the log density is :class:`WordCounts`'s and
+    :math:`\log C_d(1) = 0`; with a table, at a T that is neither 1 nor on the table's
+    ladder it is NaN (no normaliser is known there); without one it is unnormalised, like
+    every tempered site.
+
+    ``theta`` (..., K); ``beta_words`` (..., K, W): the topics at the listed words.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> theta, bw = jnp.array([0.5, 0.5]), jnp.array([[0.5, 0.25], [0.1, 0.5]])
+        >>> d = JointWordCounts(theta, bw)
+        >>> n = jnp.array([2.0, 1.0])
+        >>> bool(jnp.isclose(d.jointly_tempered_log_prob(n, 1.0), d.log_prob(n)))
+        True
+        >>> # T = 2, word 0: log(sqrt(.25) + sqrt(.05)), twice; word 1: log(sqrt(.125) + .5)
+        >>> round(float(d.jointly_tempered_log_prob(n, 0.5)), 4)
+        -0.8054
+        >>> d = JointWordCounts(theta, bw, log_c=jnp.array([0.0, 0.3]),
+        ...                     inv_temperatures=jnp.array([1.0, 0.5]))  # log C(2) = 0.3
+        >>> round(float(d.jointly_tempered_log_prob(n, 0.5)), 4)
+        -1.1054
+    """
+
+    pytree_data_fields = ("probs", "log_components", "log_c", "inv_temperatures")
+
+    def __init__(self, theta: jax.Array, beta_words: jax.Array, log_c: jax.Array | None = None,
+                 inv_temperatures: jax.Array | None = None, *,
+                 validate_args: bool | None = None) -> None:
+        theta, beta_words = jnp.asarray(theta), jnp.asarray(beta_words)
+        if (log_c is None) != (inv_temperatures is None):
+            raise ValueError("give both `log_c` and `inv_temperatures` (the ladder's), or "
+                             "neither.")
+        #: log theta_k + log beta_{k v_w}, (..., W, K)
+        self.log_components = (jnp.log(theta)[..., None, :]
+                               + jnp.log(jnp.swapaxes(beta_words, -1, -2)))
+        self.log_c = None if log_c is None else jnp.asarray(log_c)
+        self.inv_temperatures = (None if inv_temperatures is None
+                                 else jnp.asarray(inv_temperatures))
+        super().__init__(jnp.einsum("...k,...kw->...w", theta, beta_words),
+                         validate_args=validate_args)
+
+    def jointly_tempered_log_prob(self, value: jax.Array, inv_temperature) -> jax.Array:
+        value = jnp.asarray(value, self.probs.dtype)
+        h = jnp.asarray(inv_temperature, self.probs.dtype)
+        per_word = logsumexp(h[..., None, None] * self.log_components, axis=-1)
+        tempered = jnp.sum(jnp.where(value > 0, value * per_word, 0.0), axis=-1)
+        return tempered - self._log_normaliser(h)
+
+    def _log_normaliser(self, h: jax.Array) -> jax.Array:
+        """log C_d at inverse temperature h: the table's rung with that h, 0 at h = 1, NaN
+        elsewhere; 0 without a table (unnormalised, like every tempered site)."""
+        if self.log_c is None:
+            return jnp.zeros_like(h)
+        gap = jnp.abs(h[..., None] - self.inv_temperatures.astype(h.dtype))  # (..., M)
+        rung = jnp.argmin(gap, axis=-1)
+        on_ladder = jnp.min(gap, axis=-1) <= 1e-5 * h
+        batch = jnp.broadcast_shapes(rung.shape, self.log_c.shape[:-1])
+        value = jnp.take_along_axis(jnp.broadcast_to(self.log_c, batch + self.log_c.shape[-1:]),
+                                    jnp.broadcast_to(rung, batch)[..., None], axis=-1)[..., 0]
+        return jnp.where(on_ladder, value, jnp.where(h == 1.0, 0.0, jnp.nan))
+
+
 def corpus_model(
     ids: jax.typing.ArrayLike,
     counts: jax.typing.ArrayLike,
+    log_c: jax.typing.ArrayLike | None = None,
     *,
     num_topics: int,
     vocab_size: int,
     alpha: float | None = None,
     eta: float | None = None,
     subsample_size: int | None = None,
+    joint: bool = False,
+    inv_temperatures: jax.typing.ArrayLike | None = None,
 ) -> None:
     r"""Collapsed LDA (supplement eq. 5) on a sparse corpus: :func:`model`'s density.
 
@@ -347,6 +430,12 @@ def corpus_model(
             they fix shapes).
         alpha, eta: Dirichlet concentrations (default 1/K).
         subsample_size: documents per minibatch (``plate("docs", D, subsample_size)``).
+        joint: the words as :class:`JointWordCounts` (each token's topic summed out after
+            tempering, under ``temper(..., joint=True)``), not :class:`WordCounts`.
+        log_c, inv_temperatures: with ``joint``, the documents' normalisers
+            :math:`\log C_d(T_m\mid\bar\beta)` (D, M) at a ladder's inverse temperatures
+            (M,) (:class:`JointWordCounts`); ``log_c`` is data (positional: it changes as the
+            topics are learnt), ``inv_temperatures`` fixed.
 
     Sites: ``beta`` (K, V); in ``plate("docs", dim=-1)``: ``theta`` (B, K) and the observed
     ``words`` (B, W) (:class:`WordCounts`, probabilities gathered at the listed words only:
@@ -369,9 +458,17 @@ def corpus_model(
                          f"{ids.shape} and {jnp.shape(counts)}.")
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise ValueError(f"`ids` must be integer word indices, got dtype {ids.dtype}.")
+    if (log_c is not None or inv_temperatures is not None) and not joint:
+        raise ValueError("`log_c` and `inv_temperatures` are for `joint=True` (JointWordCounts).")
     beta, theta_prior = _priors(num_topics, vocab_size, alpha, eta)
     with numpyro.plate("docs", ids.shape[0], subsample_size=subsample_size, dim=-1) as idx:
         theta = numpyro.sample("theta", theta_prior)  # (B, K)
         doc_ids = ids[idx]
-        probs = jnp.einsum("bk,kbw->bw", theta, jnp.take(beta, doc_ids, axis=1))
-        numpyro.sample("words", WordCounts(probs), obs=jnp.asarray(counts)[idx])
+        beta_words = jnp.take(beta, doc_ids, axis=1)  # (K, B, W)
+        if joint:
+            words = JointWordCounts(theta, jnp.moveaxis(beta_words, 0, 1),
+                                    None if log_c is None else jnp.asarray(log_c)[idx],
+                                    inv_temperatures)
+        else:
+            words = WordCounts(jnp.einsum("bk,kbw->bw", theta, beta_words))
+        numpyro.sample("words", words, obs=jnp.asarray(counts)[idx])

@@ -26,9 +26,19 @@ Temperatures (``temperature=`` of :func:`fit`): a number T (``TemperedELBO(tempe
 T = 1 is plain SVI, where the loss equals ``Trace_ELBO``'s), a schedule ``step -> T``
 (annealing: ``SVI(temper(model, schedule), ..., TemperedELBO())``, Mandt et al. 2016,
 eq. 7), or a :class:`~numpyro_tempering.Ladder` (MVI: ``MulticanonicalELBO(ladder,
-plate="docs")``, a temperature per document with :math:`q(y_d)` by eq. 18, and the
-per-document :math:`\log c_d(T_m)` of the collapsed word likelihood from the supplement's
-route, eq. 6-7, :func:`mvi_ladder`).
+plate="docs", joint=True)``, a temperature per document with :math:`q(y_d)` by eq. 18).
+
+MVI tempers each word's joint :math:`p(w, z\mid\theta,\beta)` before its topic is summed
+out (:class:`~numpyro_tempering.models.lda.JointWordCounts`), as the conjugate route and the
+paper's updates do, so that the document's normaliser is the exact
+:math:`C_d(T\mid\bar\beta)` of :mod:`~numpyro_tempering.models.lda_partition` (the same
+one as :mod:`~numpyro_tempering.models.lda_svi`'s), computed at the topics' current mean
+:math:`\bar\beta = \lambda/\sum_v\lambda` and recomputed every ``log_c_every`` updates
+as the topics are learnt. The normaliser is passed to the model as data (``log_c``) and
+sits inside the tempered likelihood, so the ladder's own log C is 0. A ladder that already
+holds per-document ``element_log_c`` (e.g. :func:`mvi_ladder`'s, the supplement's
+prior Monte Carlo for the collapsed likelihood, eq. 6-7, biased low for long documents)
+runs the collapsed form with those values instead.
 """
 
 from __future__ import annotations
@@ -50,9 +60,9 @@ from numpyro.infer import SVI
 
 from numpyro_tempering import schedules
 from numpyro_tempering.guides import LogisticNormal
-from numpyro_tempering.handlers import temper
+from numpyro_tempering.handlers import Selection, temper
 from numpyro_tempering.ladder import UNCHECKED, Ladder
-from numpyro_tempering.models import lda, lda_svi
+from numpyro_tempering.models import lda, lda_partition, lda_svi
 from numpyro_tempering.models.corpora import Corpus
 from numpyro_tempering.objectives import MulticanonicalELBO, TemperedELBO
 
@@ -129,9 +139,11 @@ def make_model(
     alpha: float | None = None,
     eta: float | None = None,
     subsample_size: int | None = None,
+    joint: bool = False,
+    inv_temperatures: Any = None,
 ) -> Callable:
     """:func:`~numpyro_tempering.models.lda.corpus_model` with its static settings bound:
-    ``model(ids, counts)``.
+    ``model(ids, counts)`` (``model(ids, counts, log_c)`` with ``joint``, see there).
 
     Example:
         >>> from numpyro.infer.util import log_density
@@ -143,7 +155,8 @@ def make_model(
         True
     """
     return partial(lda.corpus_model, num_topics=num_topics, vocab_size=vocab_size,
-                   alpha=alpha, eta=eta, subsample_size=subsample_size)
+                   alpha=alpha, eta=eta, subsample_size=subsample_size, joint=joint,
+                   inv_temperatures=inv_temperatures)
 
 
 def make_guide(
@@ -154,7 +167,7 @@ def make_guide(
     subsample_size: int | None = None,
     hidden: int = 100,
 ) -> Callable:
-    r"""A guide ``guide(ids, counts)`` for :func:`make_model`: :math:`q(\beta_k) =
+    r"""A guide ``guide(ids, counts, log_c=None)`` for :func:`make_model`: :math:`q(\beta_k) =
     \mathrm{Dir}(\lambda_k)` (param ``lam``, initialised
     :math:`\exp\{\mathcal N(0, 0.1^2)\}`, about online VB's
     :math:`\mathrm{Gamma}(100, 0.01)`) and ``kind`` in :data:`GUIDES` on :math:`\theta_d`
@@ -173,7 +186,7 @@ def make_guide(
         raise ValueError(f"`guide` must be one of {GUIDES}, got {kind!r}.")
     k, v = int(num_topics), int(vocab_size)
 
-    def guide(ids, counts):
+    def guide(ids, counts, log_c=None):
         ids = jnp.asarray(ids)
         num_docs = ids.shape[0]
         lam = numpyro.param("lam", lambda key: jnp.exp(0.1 * random.normal(key, (k, v))),
@@ -234,6 +247,17 @@ def mvi_ladder(
                                             sizes=UNCHECKED)
 
 
+def _joint_log_c(lam: jax.Array, ladder: Ladder, alpha: float,
+                 lengths: np.ndarray) -> jax.Array:
+    """(D, M) exact log C_d(T_m | mean topics) of the joint form, as the model's data."""
+    lam = np.asarray(lam, np.float64)
+    if not np.all(np.isfinite(lam) & (lam > 0)):  # the fit went non-finite: NaN, not a guess
+        return jnp.full((len(lengths), len(ladder.temperatures)), jnp.nan)
+    table = lda_partition.conditional_log_partition(lam, ladder.temperatures, alpha, lengths,
+                                                    topics="mean")
+    return jnp.asarray(table, jnp.result_type(float))
+
+
 class BlackBoxResult(NamedTuple):
     """A black-box fit: ``lam`` (K, V) the topics' Dirichlet parameters (NaN if the fit
     went non-finite); ``params`` every guide parameter; ``losses`` (steps,) the SVI loss per
@@ -267,6 +291,7 @@ def fit(
     alpha: float | None = None,
     eta: float | None = None,
     seed: int = 0,
+    log_c_every: int = 10,
     progress_bar: bool = False,
 ) -> BlackBoxResult:
     r"""Fit collapsed LDA with stock NumPyro ``SVI`` and Adam (``optax.adam(learning_rate)``).
@@ -279,12 +304,15 @@ def fit(
             ``batch_size`` documents (``plate`` subsampling, without replacement).
         temperature: T (``TemperedELBO(temperature=T)``), a schedule ``step -> T``
             (annealing, ``temper(model, schedule)``), or a :class:`~numpyro_tempering.Ladder`
-            (MVI with a temperature per document; a ladder without per-document log C gets
-            :func:`mvi_ladder`'s).
+            (MVI with a temperature per document: joint tempering with the exact
+            :math:`\log C_d(T\mid\bar\beta)`, see the module docstring; a ladder holding
+            per-document ``element_log_c`` runs the collapsed form with those).
         learning_rate, num_particles: Adam's step size; Monte Carlo particles per update.
         hidden: width of the amortised encoder's hidden layer.
         alpha, eta: Dirichlet concentrations (default 1/K).
         seed: initialisation, minibatches and Monte Carlo draws.
+        log_c_every: MVI (joint form): recompute the documents' normalisers from the
+            current topics every this many updates (their time is in ``seconds``).
         progress_bar: show a tqdm bar.
 
     The initialisation and the update (``svi.update``) are compiled once per call and timed
@@ -317,11 +345,18 @@ def fit(
     q = make_guide(guide, num_topics, corpus.vocab_size, subsample_size=subsample,
                    hidden=hidden)
     mvi = isinstance(temperature, Ladder)
+    joint = mvi and temperature.element_log_c is None
+    if int(log_c_every) != log_c_every or log_c_every < 1:
+        raise ValueError(f"`log_c_every` must be a positive integer, got {log_c_every!r}.")
+    if joint:
+        ladder = temperature.with_log_partition_values(
+            element_log_c=np.zeros((len(temperature.temperatures), num_docs)), plate="docs",
+            sizes=UNCHECKED, selection=Selection.of(joint=True))
+        model = make_model(num_topics, corpus.vocab_size, alpha=alpha, eta=eta,
+                           subsample_size=subsample, joint=True,
+                           inv_temperatures=jnp.asarray(ladder.inverse_temperatures))
     if mvi:
-        ladder = temperature
-        if ladder.element_log_c is None:
-            ladder = mvi_ladder(ladder, corpus, num_topics, seed=1000 + seed, alpha=alpha,
-                                eta=eta)
+        ladder = ladder if joint else temperature
         objective = MulticanonicalELBO(ladder, plate="docs", num_particles=num_particles)
         temps = None
     elif callable(temperature):
@@ -341,23 +376,34 @@ def fit(
     key_init, key_post = random.split(random.PRNGKey(seed))
     start = time.perf_counter()
     # compiled: eager initialisation runs the Dirichlet sampler op by op (10x slower)
-    state = jax.jit(lambda key: svi.init(key, ids, counts))(key_init)
-    update = jax.jit(svi.update).lower(state, ids, counts).compile()
+    data = (ids, counts)
+    if joint:  # initialisation only traces the model: any table of the right shape will do
+        data = (ids, counts, jnp.zeros((num_docs, len(ladder.temperatures))))
+    state = jax.jit(lambda key: svi.init(key, *data))(key_init)
+    if joint:
+        alpha_ = 1.0 / num_topics if alpha is None else alpha
+        data = (ids, counts, _joint_log_c(svi.get_params(state)["lam"], ladder, alpha_,
+                                          corpus.lengths))
+    update = jax.jit(svi.update).lower(state, *data).compile()
     posterior = None
     if mvi:
-        posterior = jax.jit(lambda params, key: objective.temperature_posterior(
-            key, params, model, q, ids, counts).mean_temperature.mean())
-        posterior(svi.get_params(state), key_post)  # compiled here, not in the timing
+        posterior = jax.jit(lambda params, key, *data: objective.temperature_posterior(
+            key, params, model, q, *data).mean_temperature.mean())
+        posterior(svi.get_params(state), key_post, *data)  # compiled here, not in the timing
     compile_seconds = time.perf_counter() - start
 
     bar = lda_svi.progress(num_steps, progress_bar, "black-box LDA")
     losses, mvi_temps = [], []
     start = time.perf_counter()
     for step in range(num_steps):
-        state, loss = update(state, ids, counts)
+        if joint and step and step % log_c_every == 0:
+            data = (ids, counts, _joint_log_c(svi.get_params(state)["lam"], ladder, alpha_,
+                                              corpus.lengths))
+        state, loss = update(state, *data)
         losses.append(loss)
         if posterior is not None:
-            mvi_temps.append(posterior(svi.get_params(state), random.fold_in(key_post, step)))
+            mvi_temps.append(posterior(svi.get_params(state), random.fold_in(key_post, step),
+                                       *data))
         if bar is not None:
             bar.update(1)
     params = jax.block_until_ready(svi.get_params(state))
