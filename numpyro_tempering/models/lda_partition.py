@@ -78,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import gammaln
+from scipy import special
 
 __all__ = [
     "conditional_log_partition",
@@ -150,22 +151,25 @@ def topic_log_sums(topics: np.typing.ArrayLike, temperatures: np.typing.ArrayLik
         return np.asarray(out)
 
 
-def _log_terms(log_b, inv_t, alpha, size):
+def _log_terms(log_b: np.ndarray, inv_t: np.ndarray, alpha: np.ndarray,
+               size: int) -> np.ndarray:
     """(M, size, K) log f_k(n) = n log b_k + log Gamma(alpha_k + n h) - log Gamma(alpha_k)
-    - log n!, n < size."""
-    n = jnp.arange(size, dtype=log_b.dtype)
-    return (n[None, :, None] * log_b[:, None, :]
-            + gammaln(alpha[None, None, :] + n[None, :, None] * inv_t[:, None, None])
-            - gammaln(alpha)[None, None, :] - gammaln(n + 1.0)[None, :, None])
+    - log n!, n < size (NumPy; the Gamma terms once per distinct alpha_k)."""
+    n = np.arange(size, dtype=np.float64)
+    values, which = np.unique(alpha, return_inverse=True)
+    gamma = np.stack([special.gammaln(a + n[None, :] * inv_t[:, None]) - special.gammaln(a)
+                      for a in values], axis=-1)  # (M, size, distinct alphas)
+    return (n[None, :, None] * log_b[:, None, :] + gamma[..., which.reshape(-1)]
+            - special.gammaln(n + 1.0)[None, :, None])
 
 
-def _dirichlet_factor(inv_t, alpha, size):
+def _dirichlet_factor(inv_t: np.ndarray, alpha: np.ndarray, size: int) -> np.ndarray:
     """(size, M) log of L! Gamma(A) / Gamma(A + L h), the factor that turns the
     coefficient of x^L into log C (A = sum_k alpha_k)."""
-    n = jnp.arange(size, dtype=inv_t.dtype)
-    total = jnp.sum(alpha)
-    return (gammaln(n + 1.0)[:, None] + gammaln(total)
-            - gammaln(total + n[:, None] * inv_t[None, :]))
+    n = np.arange(size, dtype=np.float64)
+    total = np.sum(alpha)
+    return (special.gammaln(n + 1.0)[:, None] + special.gammaln(total)
+            - special.gammaln(total + n[:, None] * inv_t[None, :]))
 
 
 @jax.jit
@@ -195,10 +199,13 @@ def _log_coefficients(log_f):
 FLUSH = 1e-150
 
 
-def _support(x: np.ndarray) -> tuple[int, int]:
-    """First and one-past-last index of the nonzero entries of ``x`` ((0, 0) if none)."""
-    nonzero = np.flatnonzero(x)
-    return (int(nonzero[0]), int(nonzero[-1]) + 1) if nonzero.size else (0, 0)
+def _supports(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First and one-past-last index of the nonzero entries of each column of ``x``
+    (equal where a column is all zero)."""
+    nonzero = x > 0
+    lo = np.argmax(nonzero, axis=0)
+    hi = np.where(nonzero.any(axis=0), x.shape[0] - np.argmax(nonzero[::-1], axis=0), lo)
+    return lo, hi
 
 
 def _tilted_pass(log_f: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]:
@@ -218,21 +225,22 @@ def _tilted_pass(log_f: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]
     with np.errstate(under="ignore"):
         x = np.exp(g - shift)
     x[x < FLUSH] = 0.0
-    acc, scale = x[:, 0], shift[0]
+    lo, hi = _supports(x)
+    # the running product as a segment acc starting at length `first`, trimmed to its
+    # entries >= FLUSH (relative to its maximum, 1)
+    first, acc, scale = lo[0], x[lo[0]:hi[0], 0], shift[0]
     for k in range(1, num_topics):
-        lo_a, hi_a = _support(acc)
-        lo_x, hi_x = _support(x[:, k])
-        out = np.zeros(size)
-        start = lo_a + lo_x
-        if start < size and hi_a > lo_a and hi_x > lo_x:
-            seg = np.convolve(acc[lo_a:hi_a], x[lo_x:hi_x, k])[: size - start]
-            out[start: start + seg.size] = seg
-        top = np.max(out)
-        if not top > 0:
+        first = first + lo[k]
+        if first >= size or acc.size == 0 or hi[k] == lo[k]:
             return np.full(size, np.nan), np.full(size, -np.inf)
-        acc = out / top
-        acc[acc < FLUSH] = 0.0
+        acc = np.convolve(acc, x[lo[k]:hi[k], k])[: size - first]
+        top = np.max(acc)
+        keep = np.flatnonzero(acc >= FLUSH * top)
+        first, acc = first + keep[0], acc[keep[0]: keep[-1] + 1] / top
         scale += np.log(top)
+    full = np.zeros(size)
+    full[first: first + acc.size] = acc
+    acc = full
     with np.errstate(divide="ignore"):
         rel = np.log(acc)
     value = rel + scale + np.sum(shift[1:]) - lengths * rho
@@ -320,12 +328,12 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
     if not np.all(np.isfinite(log_b)):
         return np.full((int(max_length) + 1, inv_t.size), np.nan)
     max_length = int(max_length)
+    log_f = _log_terms(log_b, inv_t, alpha, max_length + 1)
     with jax.enable_x64(True):
-        inv_t, alpha, log_b = jnp.asarray(inv_t), jnp.asarray(alpha), jnp.asarray(log_b)
-        log_f = _log_terms(log_b, inv_t, alpha, max_length + 1)
-        head = np.asarray(_log_coefficients(log_f[:, : min(max_length, EXACT_LENGTH) + 1]))
-        coef = _windowed_table(np.asarray(log_f), head) if max_length > EXACT_LENGTH else head
-        return coef.T + np.asarray(_dirichlet_factor(inv_t, alpha, max_length + 1))
+        head = np.asarray(_log_coefficients(
+            jnp.asarray(log_f[:, : min(max_length, EXACT_LENGTH) + 1])))
+    coef = _windowed_table(log_f, head) if max_length > EXACT_LENGTH else head
+    return coef.T + _dirichlet_factor(inv_t, alpha, max_length + 1)
 
 
 def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
