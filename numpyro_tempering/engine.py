@@ -69,7 +69,7 @@ from numpyro.infer.util import compute_log_probs
 from numpyro.primitives import _PYRO_STACK, Messenger
 from numpyro.util import _validate_model, check_model_guide_match
 
-from numpyro_tempering.handlers import DEFAULT_CLOCK, TEMPERED, temper
+from numpyro_tempering.handlers import DEFAULT_CLOCK, TEMPERED, resolve_clocks, temper
 from numpyro_tempering.structure import plate_not_found, subsample_scale
 
 __all__ = [
@@ -456,7 +456,8 @@ def log_weights(
     if isinstance(shared_state, str):
         shared_state = (shared_state,)
     shared = {DEFAULT_CLOCK, *shared_state}  # temper's clocks are added while tracing
-    model = _find_clocks(model, shared)
+    # T(step) of temper(model, schedule) once per step, not inside the particle map
+    model = _find_clocks(resolve_clocks(model, param_map), shared)
     guide = _find_clocks(guide, shared)
 
     def one(key):

@@ -405,6 +405,60 @@ def under_mcmc() -> bool:
     return False
 
 
+class _resolved_clocks(Messenger):
+    """Carry the clocks :func:`resolve_clocks` read outside the particle map: ``values`` maps
+    a ``temper`` handler (by ``id``) to its advanced clock ``{"step": step + 1,
+    "temperature": T(step)}``."""
+
+    def __init__(self, fn: Callable, values: dict[int, dict]) -> None:
+        self.values = values
+        super().__init__(fn)
+
+
+def _resolved_clock(handler: temper) -> dict | None:
+    for outer in reversed(_PYRO_STACK):
+        if isinstance(outer, _resolved_clocks) and id(handler) in outer.values:
+            return outer.values[id(handler)]
+    return None
+
+
+def resolve_clocks(model: Callable, param_map: dict) -> Callable:
+    """Read the annealing clocks of ``model`` once, outside any map over particles.
+
+    ``temper(model, schedule)`` evaluates ``T(step)`` when the model runs. An objective that
+    maps the model over S particles (``jax.lax.map``, a ``pmap``, or ``jax.vmap``) would then
+    evaluate the schedule inside the map, once per particle, although the step is the same
+    for all of them. This finds the ``temper`` handlers with a schedule that wrap ``model``
+    (the chain of handlers ``model.fn.fn...``), reads each one's clock from ``param_map``
+    (SVI's mutable state) and evaluates ``T(step)`` here, once; the handlers then take the
+    temperature and the advanced clock from the returned wrapper instead of evaluating the
+    schedule. The values are the same numbers (same function of the same step). A handler
+    not found this way (applied inside the model's body) or whose clock is not in
+    ``param_map`` evaluates its schedule as before.
+
+    Example:
+        >>> import jax.numpy as jnp, numpyro, numpyro.distributions as dist
+        >>> from numpyro_tempering import schedules
+        >>> def model():
+        ...     numpyro.sample("x", dist.Normal(0.0, 1.0), obs=1.0)
+        >>> annealed = temper(model, schedules.linear(10.0, 1.0, 100))
+        >>> clock = {"_temper_clock": {"step": jnp.array(50), "temperature": jnp.array(0.0)}}
+        >>> wrapped = resolve_clocks(annealed, clock)
+        >>> float(wrapped.values[id(annealed)]["temperature"])
+        5.5
+    """
+    values: dict[int, dict] = {}
+    fn = model
+    while isinstance(fn, Messenger):
+        if isinstance(fn, temper) and fn.schedule is not None and id(fn) not in values:
+            state = param_map.get(fn.clock)
+            if isinstance(state, dict) and "step" in state:
+                step = jnp.asarray(state["step"])
+                values[id(fn)] = {"step": step + 1, "temperature": fn._at(step)}
+        fn = fn.fn
+    return _resolved_clocks(model, values) if values else model
+
+
 class temper(Messenger):
     """Temper the selected sites of a model: log p_i -> log p_i / T.
 
@@ -524,16 +578,23 @@ class temper(Messenger):
                     "for the schedule's clock to follow (it would run at schedule(0) "
                     "throughout); give MCMC a fixed temperature: temper(model, T)."
                 )
-            fresh = {"step": jnp.zeros((), jnp.int32), "temperature": self._at(0)}
+            resolved = _resolved_clock(self)
+            if resolved is None:
+                fresh = {"step": jnp.zeros((), jnp.int32), "temperature": self._at(0)}
+            else:  # read once per step outside the particle map (resolve_clocks)
+                fresh = resolved
             state = mutable(self.clock, fresh)
             if state is None:  # no handler records mutable state: evaluate at step 0
                 state = fresh
-            temperature = self._at(state["step"])
+            if resolved is None:
+                temperature, advanced = self._at(state["step"]), state["step"] + 1
+            else:
+                temperature, advanced = resolved["temperature"], resolved["step"]
             if state is not fresh and not in_guide:
                 # SVI supplied the clock: advance it for the next update. (An AutoGuide that
                 # runs the model, to build itself or for its potential as AutoDAIS does,
                 # reads the clock and leaves it to the model's own run.)
-                state["step"] = state["step"] + 1
+                state["step"] = advanced
                 state["temperature"] = temperature
         self._inv_temperature = inverse_temperature(temperature)
 

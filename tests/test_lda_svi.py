@@ -79,7 +79,7 @@ def test_update_matches_numpy_reference(tiny, temperature, row_width):
     ``row_width=4`` every document spans up to 3 rows of (index, count) pairs."""
     corpus, _ = tiny
     rng = np.random.default_rng(1)
-    rows = np.arange(36)  # 36 documents padded to 40: stages 40 -> 10
+    rows = np.arange(36)  # 36 documents padded to 40: stages 40 -> 20 -> 10
     if row_width is None:
         ids = np.vstack([corpus.ids[rows], np.zeros((4, corpus.ids.shape[1]), np.int32)])
         counts = np.vstack([corpus.counts[rows], np.zeros((4, corpus.ids.shape[1]), np.int32)])

@@ -188,6 +188,50 @@ def test_annealed_loss_uses_the_scheduled_temperature():
         np.testing.assert_allclose(loss, expected, rtol=1e-5)
 
 
+def _count_primitive(jaxpr, name: str, inside: str | None = None) -> int:
+    """Equations of primitive ``name`` in ``jaxpr`` and its sub-jaxprs (only those inside
+    an equation of primitive ``inside``, if given)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name and inside is None:
+            total += 1
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            within = None if inside is None or eqn.primitive.name == inside else inside
+            total += _count_primitive(sub, name, within)
+    return total
+
+
+@pytest.mark.parametrize("vectorize", [False, True])
+def test_schedule_clock_is_read_once_per_step_outside_the_particle_map(vectorize):
+    # a schedule with a marker primitive (cosh): T(step) must be evaluated once per step,
+    # outside the particles' map, not inside lax.map's body (where it would run S times)
+    def sched(step):
+        return 1.0 + jnp.cosh(0.0 * jnp.asarray(step, jnp.float32))
+
+    elbo = TemperedELBO(4, vectorize_particles=vectorize)
+    params = {"loc": 0.1, "scale": 1.0,
+              "_temper_clock": {"step": jnp.array(3), "temperature": jnp.array(2.0)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the schedule ends at T = 2
+        model = temper(normal_model, sched)
+
+    def loss(params):
+        out = elbo.loss_with_mutable_state(KEY, params, model, normal_guide, X)
+        return out["loss"], out["mutable_state"]
+
+    jaxpr = jax.make_jaxpr(loss)(params).jaxpr
+    assert _count_primitive(jaxpr, "cosh") == 1
+    if not vectorize:
+        assert _count_primitive(jaxpr, "scan") == 1
+        assert _count_primitive(jaxpr, "cosh", inside="scan") == 0
+    value, state = loss(params)
+    expected = TemperedELBO(4, vectorize_particles=vectorize, temperature=2.0).loss(
+        KEY, params, normal_model, normal_guide, X)
+    np.testing.assert_allclose(value, expected, rtol=1e-6)
+    assert int(state["_temper_clock"]["step"]) == 4
+    assert float(state["_temper_clock"]["temperature"]) == 2.0
+
+
 def test_schedule_given_to_the_elbo_points_to_temper():
     with pytest.raises(TypeError, match="temper\\(model, schedule\\)"):
         TemperedELBO(temperature=schedules.linear(10.0, 1.0, 100))
