@@ -118,6 +118,7 @@ __all__ = [
     "JointlyTempered",
     "TEMPERED",
     "DEFAULT_CLOCK",
+    "resolve_clocks",
     "stop_param_gradients",
     "stop_sample_gradients",
 ]
