@@ -25,9 +25,10 @@ target moves far from it (90 prior standard deviations for the tests' log-normal
 T = 10): with plain reweighting the variance of :math:`\log \hat C` grows like the square of
 that distance over the number of stages times the particles. Each stage therefore moves the
 particles by a deterministic affine map before weighting them (escorted free-energy
-estimation, Vaikuntanathan and Jarzynski 2011, eq. 13; annealed flow transport, Arbel,
-Matthews and Doucet 2021, eq. 9): with :math:`m_b` the mode of :math:`\gamma_b` (a few damped
-Newton steps from the previous stage's mode) and :math:`R_b R_b^\top` the Hessian of
+estimation, Vaikuntanathan and Jarzynski 2011; annealed flow transport, Arbel, Matthews and
+Doucet 2021; the weight below is the change of variables, re-derived here): with
+:math:`m_b` the mode of :math:`\gamma_b` (a few damped Newton steps from the previous
+stage's mode) and :math:`R_b R_b^\top` the Hessian of
 :math:`-\log\gamma_b` there,
 
 .. math::
@@ -38,7 +39,9 @@ Newton steps from the previous stage's mode) and :math:`R_b R_b^\top` the Hessia
 
 and :math:`\mathbb E_{\gamma_b / C_b}[w] = C_{b'} / C_b` exactly for any invertible
 :math:`f` that does not depend on the particles (the map is built from the Newton chain
-only). For a Gaussian tilted target the weights are constant; where the curvature is not
+only; the b at which it is built is chosen from the particles' ESS, the usual adaptive
+schedule of SMC, whose effect on the estimate is of order 1/P). For a Gaussian tilted
+target the weights are constant; where the curvature is not
 positive definite the map is the identity (plain reweighting). The particles are then
 resampled (systematic) and moved by ``num_mcmc_steps`` HMC steps targeting
 :math:`\gamma_{b'}`, with the tuning of the per-temperature route (diagonal mass matrix from
