@@ -326,7 +326,7 @@ def replicate_covariance(replicate_log_c: Any) -> np.ndarray:
 class _Target(NamedTuple):
     init: Callable  # key -> flat unconstrained globals (a prior draw)
     log_prior: Callable  # u -> log p(u) (with the log-Jacobian)
-    pieces: Callable  # (u, T) -> (L_T(u), per-element log c_n (E,))
+    pieces: Callable  # (u, T) -> (L_T(u), per-element log c_n (E,), the rest of L_T)
 
 
 def _build_target(
@@ -372,14 +372,14 @@ def _build_target(
     def log_prior(u: jax.Array) -> jax.Array:
         return constrained(u)[0]
 
-    def pieces(u: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def pieces(u: jax.Array, temperature: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         _, values = constrained(u)
         inner = _contributions(
             marked, temperature, fixed_key, {**plate_values, **values}, args, kwargs, plate,
             fallback,
         )
         elements = inner.multiplicity * inner.elements
-        return jnp.sum(elements) + inner.rest, elements
+        return jnp.sum(elements) + inner.rest, elements, inner.rest
 
     return _Target(init, log_prior, pieces)
 
@@ -436,19 +436,14 @@ def _solve_upper(up: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, dim, step, jnp.zeros_like(b))
 
 
-def _laplace(
-    target: _Target, temperature: jax.Array, start: jax.Array
+def _newton(
+    target: _Target, temperature: jax.Array, start: jax.Array, steps: int = NEWTON_STEPS
 ) -> tuple[jax.Array, jax.Array]:
-    """Mode and the Cholesky factor ``R`` of the *precision* of the Laplace reference.
-
-    The mode of ``log p + L_T`` is found by ``NEWTON_STEPS`` damped Newton steps
+    """The mode of ``log p + L_T`` by ``steps`` damped Newton steps from ``start``
     (Levenberg-Marquardt: a step that does not decrease ``-(log p + L_T)``, or whose damped
-    Hessian is not positive definite, is refused and the damping raised) from a prior draw
-    ``start``. The reference is ``N(mode, (R R^T)^{-1})`` with ``R R^T`` the Hessian at the
-    mode divided by ``REFERENCE_INFLATION**2``. A non-finite or non-positive-definite
-    curvature falls back to the unit matrix: the SMC then corrects the poor reference at the
-    price of more stages. Only plain ``jax.numpy`` linear algebra (:func:`_cholesky`).
-    """
+    Hessian is not positive definite, is refused and the damping raised), and the Hessian of
+    ``-(log p + L_T)`` there (one loop: its last pass only evaluates, so that the model's
+    Hessian is compiled once). Only plain ``jax.numpy`` linear algebra (:func:`_cholesky`)."""
 
     def neg(u: jax.Array) -> jax.Array:
         value = -(target.log_prior(u) + target.pieces(u, temperature)[0])
@@ -456,8 +451,8 @@ def _laplace(
 
     eye = jnp.eye(start.shape[-1], dtype=start.dtype)
 
-    def newton(_: Any, carry: tuple) -> tuple:
-        u, f, lam = carry
+    def newton(i: jax.Array, carry: tuple) -> tuple:
+        u, f, lam, _ = carry
         g = jax.grad(neg)(u)
         h = jax.hessian(neg)(u)
         h = 0.5 * (h + h.T)
@@ -465,15 +460,39 @@ def _laplace(
         low = _cholesky(h + damp * eye)
         new = u - _solve_upper(low.T, _solve_lower(low, g))
         f_new = neg(new)
-        ok = jnp.isfinite(f_new) & (f_new <= f) & jnp.all(jnp.isfinite(new))
-        return jnp.where(ok, new, u), jnp.where(ok, f_new, f), jnp.where(ok, lam / 10, lam * 10)
+        ok = jnp.isfinite(f_new) & (f_new <= f) & jnp.all(jnp.isfinite(new)) & (i < steps)
+        return (jnp.where(ok, new, u), jnp.where(ok, f_new, f),
+                jnp.where(ok, lam / 10, lam * 10), h)
 
     lam0 = jnp.asarray(1e-3, start.dtype)
-    mode, _, _ = jax.lax.fori_loop(0, NEWTON_STEPS, newton, (start, neg(start), lam0))
-    hess = jax.hessian(neg)(mode)
-    hess = 0.5 * (hess + hess.T)
-    prec = _cholesky(hess / REFERENCE_INFLATION**2)
+    carry = (start, neg(start), lam0, eye)
+    mode, _, _, hess = jax.lax.fori_loop(0, steps + 1, newton, carry)
+    return mode, hess
+
+
+def _precision_factor(hess: jax.Array, inflation: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Lower Cholesky factor ``R`` of ``hess / inflation**2`` and whether it is usable
+    (finite, positive definite)."""
+    prec = _cholesky(hess / inflation**2)
     ok = jnp.all(jnp.isfinite(prec)) & jnp.all(jnp.diag(prec) > 0)
+    return prec, ok
+
+
+def _laplace(
+    target: _Target, temperature: jax.Array, start: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Mode and the Cholesky factor ``R`` of the *precision* of the Laplace reference.
+
+    The mode of ``log p + L_T`` is found by ``NEWTON_STEPS`` damped Newton steps
+    (:func:`_newton`) from a prior draw ``start``. The reference is
+    ``N(mode, (R R^T)^{-1})`` with ``R R^T`` the Hessian at the mode divided by
+    ``REFERENCE_INFLATION**2``. A non-finite or non-positive-definite curvature falls back
+    to the unit matrix: the SMC then corrects the poor reference at the price of more
+    stages.
+    """
+    mode, hess = _newton(target, temperature, start)
+    prec, ok = _precision_factor(hess, REFERENCE_INFLATION)
+    eye = jnp.eye(start.shape[-1], dtype=start.dtype)
     return mode, jnp.where(ok, prec, eye)
 
 
@@ -581,6 +600,24 @@ def _smc(
     return log_z, ess, stages, acc, element, state.tempering_param
 
 
+def _prior_check(
+    target: _Target, key_fixed: jax.Array, settings: SMCSettings, temps: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The missed-mass check's inputs (:func:`missed_mass`), per temperature: the log of the
+    mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS."""
+    key_prior = random.split(random.fold_in(key_fixed, 1))[1]
+    draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
+
+    def prior_check(t: jax.Array) -> tuple:
+        log_w = jax.vmap(lambda u: target.pieces(u, t)[0])(draws)
+        log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
+        log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
+        w = jnp.exp(log_w - jnp.max(log_w))
+        return log_mean, jnp.sum(w) ** 2 / jnp.sum(w**2)
+
+    return jax.lax.map(prior_check, temps)
+
+
 def build_runner(
     marked: Callable,
     args: tuple,
@@ -598,7 +635,7 @@ def build_runner(
         target = _build_target(marked, args, kwargs, plate, fallback, global_names, key_fixed)
         keys = random.split(key_runs, settings.num_replicates)
 
-        key_starts, key_prior = random.split(random.fold_in(key_fixed, 1))
+        key_starts = random.split(random.fold_in(key_fixed, 1))[0]
         if settings.reference == "laplace":
             starts = jax.vmap(target.init)(random.split(key_starts, settings.num_starts))
 
@@ -613,16 +650,6 @@ def build_runner(
             return _smc(target, settings, k, t, ref, per_element)
 
         out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
-        draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
-
-        def prior_check(t: jax.Array) -> tuple:
-            log_w = jax.vmap(lambda u: target.pieces(u, t)[0])(draws)
-            log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
-            log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
-            w = jnp.exp(log_w - jnp.max(log_w))
-            return log_mean, jnp.sum(w) ** 2 / jnp.sum(w**2)
-
-        prior_log_c, prior_ess = jax.lax.map(prior_check, temps)
-        return SMCRun(*out, prior_log_c, prior_ess)
+        return SMCRun(*out, *_prior_check(target, key_fixed, settings, temps))
 
     return run
