@@ -82,6 +82,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -97,8 +98,11 @@ from numpyro_tempering import schedules as _schedules
 from numpyro_tempering.roles import (
     AUXILIARY,
     OBSERVED,
+    control_flow_kind,
     emission_depth,
     mark_origin,
+    origin_of,
+    running_in,
     running_in_method_of,
     site_role,
 )
@@ -378,6 +382,36 @@ def mixture_of(fn: Distribution) -> Distribution | None:
     return fn if hasattr(fn, "component_log_probs") else None
 
 
+#: NumPyro entry points that get ``scan`` wrong (untempered too) and why: ``temper`` refuses
+#: a model with ``scan`` under them rather than return their number.
+SCAN_UNSUPPORTED = {
+    "TraceEnum_ELBO": (
+        "gets wrong even untempered: it finds the model's sites in a run without "
+        "enumeration, where the scan's first step has its own name, not the `_PREV_` name "
+        "enumeration gives it, so that step is left out of the ELBO; and it sums the scan's "
+        "time dimension as a plate, not as a Markov chain (the states of a hidden Markov "
+        "model are summed as if independent)."
+    ),
+    "infer_discrete": (
+        "does not support (NumPyro documents this): its backward pass cannot read the "
+        "states of a scanned chain ('Could not extract point from -inf')."
+    ),
+}
+
+
+def scan_unsupported_consumer() -> str | None:
+    """The NumPyro entry point running the model, if it is one that gets ``scan`` wrong
+    (a key of :data:`SCAN_UNSUPPORTED`), else ``None``."""
+    from numpyro.contrib.funsor.discrete import _sample_posterior
+    from numpyro.infer.elbo import get_importance_trace_enum
+
+    if running_in(get_importance_trace_enum):
+        return "TraceEnum_ELBO"
+    if running_in(_sample_posterior):
+        return "infer_discrete"
+    return None
+
+
 def _inside_autoguide() -> bool:
     """Whether the model runs inside an AutoGuide (building its prototype trace through
     ``initialize_model``, or evaluating the potential as AutoDAIS does), not under MCMC."""
@@ -450,6 +484,7 @@ class temper(Messenger):
         self.temperature = temperature
         self.clock = clock
         self._inv_temperature: Any = None
+        self._scan_consumer: str | None = None
         self._seen: set[str] = set()
         self._tempered: set[str] = set()
         self._base_depth = 0
@@ -506,6 +541,7 @@ class temper(Messenger):
         self._seen = set()
         self._tempered = set()
         self._base_depth = emission_depth(inside_message=False)
+        self._scan_consumer = scan_unsupported_consumer()
         if self.schedule is None:
             temperature = self.temperature
         else:
@@ -550,6 +586,19 @@ class temper(Messenger):
                 f"{sorted(self._seen)}."
             )
 
+    def _refuse_scan(self, msg: dict, name: str) -> None:
+        from numpyro.contrib.control_flow.scan import scan_wrapper
+
+        if origin_of(msg).within == "scan" or running_in(scan_wrapper):
+            raise ValueError(
+                f"temper: site '{name}' is inside `numpyro.contrib.control_flow.scan`, "
+                f"which NumPyro's {self._scan_consumer} {SCAN_UNSUPPORTED[self._scan_consumer]}"
+                " Write the chain as a Python loop, `for t in "
+                "numpyro.contrib.funsor.markov(range(T))`, with one site name per step "
+                "(this works tempered, also with `latent=` naming the states), or sum the "
+                "states out in the log density NUTS uses, which handles `scan` correctly."
+            )
+
     def _check_shape(self, msg: dict, beta: Any) -> None:
         if jnp.ndim(beta) == 0:
             return
@@ -567,11 +616,14 @@ class temper(Messenger):
     def process_message(self, msg: dict) -> None:
         if msg["type"] == "control_flow":  # record the roles of the body's sites where
             # they are emitted (the body runs out of sight; its sites are replayed later)
-            msg["kwargs"]["substitute_stack"].append(("substitute", mark_origin))
+            marker = partial(mark_origin, within=control_flow_kind(msg))
+            msg["kwargs"]["substitute_stack"].append(("substitute", marker))
             return
         if msg["type"] != "sample":
             return
         name, role = self.role(msg)
+        if self._scan_consumer is not None:
+            self._refuse_scan(msg, name)
         if role == AUXILIARY and not self.selection.tempers_latent(name):
             return  # emitted by a handler (Jacobians, reparameterisers' sites): never
             # tempered unless named (e.g. the decentred site of a LocScaleReparam)
