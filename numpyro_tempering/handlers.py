@@ -32,6 +32,13 @@ Which sites are tempered
 * Sites in a control-flow body are tempered as the user wrote them: the first steps of an
   enumerated ``scan`` (which NumPyro renames with ``_PREV_`` prefixes) are tempered like the
   rest, and ``latent="z"`` names them too.
+* Where NumPyro itself gets a control-flow model wrong, untempered too, ``temper`` raises a
+  ``ValueError`` naming the site instead of letting a wrong number through: ``scan`` under
+  ``TraceEnum_ELBO`` (which leaves the scan's first step out of the ELBO and sums its time
+  dimension as a plate) or under ``infer_discrete`` (which does not support ``scan``), and
+  a latent site in a ``cond`` branch under ``replay``, as in every ELBO (NumPyro's ``cond``
+  does not replay its branches). A chain written as a loop over
+  ``numpyro.contrib.funsor.markov`` works with both, tempered exactly.
 * ``latent=("z",)``: additionally temper these latent sites. The paper tempers
   p(x_i, z_i | beta) jointly: tempering the local latents is what flattens the objective for
   discrete locals (e.g. the topic assignments of LDA or the FMM's feature indicators).
@@ -387,10 +394,10 @@ def mixture_of(fn: Distribution) -> Distribution | None:
 SCAN_UNSUPPORTED = {
     "TraceEnum_ELBO": (
         "gets wrong even untempered: it finds the model's sites in a run without "
-        "enumeration, where the scan's first step has its own name, not the `_PREV_` name "
-        "enumeration gives it, so that step is left out of the ELBO; and it sums the scan's "
-        "time dimension as a plate, not as a Markov chain (the states of a hidden Markov "
-        "model are summed as if independent)."
+        "enumeration, where the scan's first step is not split off; under enumeration that "
+        "step runs under other names (`_PREV_` prefixes), so it is left out of the ELBO; and "
+        "the scan's time dimension is summed as a plate, not as a Markov chain (the states "
+        "of a hidden Markov model are summed as if independent)."
     ),
     "infer_discrete": (
         "does not support (NumPyro documents this): its backward pass cannot read the "
@@ -401,7 +408,19 @@ SCAN_UNSUPPORTED = {
 
 def scan_unsupported_consumer() -> str | None:
     """The NumPyro entry point running the model, if it is one that gets ``scan`` wrong
-    (a key of :data:`SCAN_UNSUPPORTED`), else ``None``."""
+    (a key of :data:`SCAN_UNSUPPORTED`), else ``None``.
+
+    Example:
+        >>> import jax, numpyro, numpyro.distributions as dist
+        >>> from numpyro.infer import TraceEnum_ELBO
+        >>> seen = []
+        >>> def model():
+        ...     seen.append(scan_unsupported_consumer())
+        ...     numpyro.sample("y", dist.Normal(), obs=0.0)
+        >>> _ = TraceEnum_ELBO().loss(jax.random.PRNGKey(0), {}, model, lambda: None)
+        >>> seen[-1], scan_unsupported_consumer()
+        ('TraceEnum_ELBO', None)
+    """
     from numpyro.contrib.funsor.discrete import _sample_posterior
     from numpyro.infer.elbo import get_importance_trace_enum
 
@@ -599,6 +618,22 @@ class temper(Messenger):
                 "states out in the log density NUTS uses, which handles `scan` correctly."
             )
 
+    def _refuse_unreplayed_cond_latent(self, msg: dict, name: str) -> None:
+        if origin_of(msg).within != "cond":
+            return
+        for handler in self._outer_handlers():
+            if isinstance(handler, _handlers.replay) and msg["name"] in handler.trace:
+                raise ValueError(
+                    f"temper: latent site '{name}' is in a branch of "
+                    "`numpyro.contrib.control_flow.cond` run under `replay` (as every ELBO "
+                    "runs the model against the guide's draw). NumPyro's cond does not pass "
+                    f"`replay` into its branches: the branch draws '{name}' afresh while the "
+                    "trace records the guide's value, so the sites that depend on it get "
+                    "their density at the wrong value, even untempered. Sample it outside "
+                    "the cond and pass it to the branches, or use NUTS (its potential "
+                    "substitutes values, which cond supports)."
+                )
+
     def _check_shape(self, msg: dict, beta: Any) -> None:
         if jnp.ndim(beta) == 0:
             return
@@ -624,6 +659,8 @@ class temper(Messenger):
         name, role = self.role(msg)
         if self._scan_consumer is not None:
             self._refuse_scan(msg, name)
+        if role != OBSERVED and not msg.get("is_observed"):
+            self._refuse_unreplayed_cond_latent(msg, name)
         if role == AUXILIARY and not self.selection.tempers_latent(name):
             return  # emitted by a handler (Jacobians, reparameterisers' sites): never
             # tempered unless named (e.g. the decentred site of a LocScaleReparam)

@@ -137,7 +137,13 @@ def running_in_method_of(cls: type) -> bool:
 
 
 def control_flow_kind(msg: dict) -> str:
-    """``"scan"`` or ``"cond"``: the primitive that sent a ``control_flow`` message."""
+    """``"scan"`` or ``"cond"``: the primitive that sent a ``control_flow`` message.
+
+    Example:
+        >>> from numpyro.contrib.control_flow.scan import scan_wrapper
+        >>> control_flow_kind({"type": "control_flow", "fn": scan_wrapper})
+        'scan'
+    """
     from numpyro.contrib.control_flow.scan import scan_wrapper
 
     return "scan" if msg["fn"] is scan_wrapper else "cond"

@@ -246,6 +246,10 @@ def test_the_zoo_tempers_what_the_model_observes_and_nothing_numpyro_adds(
     guide = autoguide.AutoDelta(model)
     svi = SVI(model, guide, optax.sgd(0.0), Trace_ELBO())
     guide_params = svi.get_params(svi.init(KEY))
+    if name == "cond":  # NumPyro's cond does not replay its branches' latents: refused
+        with pytest.raises(ValueError, match="latent site 'w' is in a branch"):
+            Trace_ELBO().loss(KEY, guide_params, temper(model, 1.0), guide)
+        return
     loss_1 = Trace_ELBO().loss(KEY, guide_params, model, guide)
     loss_one = Trace_ELBO().loss(KEY, guide_params, temper(model, 1.0), guide)
     np.testing.assert_allclose(loss_one, loss_1, rtol=1e-6)
@@ -533,22 +537,21 @@ def conjugate2(y=YS):
 
 
 SCHEDULE = schedules.linear(4.0, 1.0, num_steps=5)
+#: Every AutoGuide that takes just the model (AutoSemiDAIS, which takes more, is tested below).
+AUTOGUIDES = [
+    autoguide.AutoNormal,
+    autoguide.AutoDelta,
+    autoguide.AutoDiagonalNormal,
+    autoguide.AutoMultivariateNormal,
+    autoguide.AutoLowRankMultivariateNormal,
+    autoguide.AutoLaplaceApproximation,
+    autoguide.AutoIAFNormal,
+    autoguide.AutoBNAFNormal,
+    autoguide.AutoDAIS,
+]
 
 
-@pytest.mark.parametrize(
-    "guide_class",
-    [
-        autoguide.AutoNormal,
-        autoguide.AutoDelta,
-        autoguide.AutoDiagonalNormal,
-        autoguide.AutoMultivariateNormal,
-        autoguide.AutoLowRankMultivariateNormal,
-        autoguide.AutoLaplaceApproximation,
-        autoguide.AutoIAFNormal,
-        autoguide.AutoBNAFNormal,
-        autoguide.AutoDAIS,
-    ],
-)
+@pytest.mark.parametrize("guide_class", AUTOGUIDES)
 def test_autoguides_build_on_an_annealed_model_and_fit(guide_class):
     annealed = temper(conjugate2, SCHEDULE)
     svi = SVI(annealed, guide_class(annealed), optax.adam(0.01), Trace_ELBO())
@@ -635,6 +638,26 @@ def test_cond_branch_observation_is_tempered_once_and_its_jacobian_never(s):
     pe = potential_energy(temper(with_cond, T), (), {}, params)
     jacobians = jnp.log(s) + jnp.log(w)
     np.testing.assert_allclose(pe, -(prior + jacobians + lik / T), rtol=1e-6)
+
+
+def test_numpyros_cond_does_not_replay_a_branch_latent_under_an_elbo():
+    # NumPyro's own defect, untempered (why temper refuses a branch latent under `replay`):
+    # the branch draws w afresh, the trace records the guide's w = 3, and y's density is at
+    # the fresh w. If this starts failing, NumPyro has fixed it.
+    def model():
+        def branch(_):
+            w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Normal(w, 1.0), obs=0.0)
+
+        cond(True, branch, branch, None)
+
+    def guide():
+        numpyro.sample("w", dist.Delta(3.0))
+
+    exact = -(dist.Normal(0.0, 1.0).log_prob(3.0) + dist.Normal(3.0, 1.0).log_prob(0.0))
+    assert not np.isclose(Trace_ELBO().loss(KEY, {}, model, guide), exact, rtol=1e-3)
+    with pytest.raises(ValueError, match="latent site 'w' is in a branch"):
+        Trace_ELBO().loss(KEY, {}, temper(model, 1.0), guide)
 
 
 Y2 = jnp.array([[0.2, -0.1], [0.5, 0.4], [-0.3, 0.8]])
