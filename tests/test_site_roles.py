@@ -329,6 +329,42 @@ def test_enumerated_scan_hmm_nuts_potential_equals_brute_force(mu):
     )
 
 
+P2 = jnp.array([[[0.8, 0.2], [0.4, 0.6]], [[0.3, 0.7], [0.5, 0.5]]])  # p(z_t | z_t-2, z_t-1)
+Y4 = jnp.array([0.9, -1.2, 1.4, 0.3])
+
+
+def hmm_order2(y=Y4):
+    """A second-order HMM: enumerated `scan` with history=2 (its first three steps renamed)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    locs = jnp.stack([mu, -mu])
+
+    def step(carry, y_t):
+        z2, z1 = carry
+        z = numpyro.sample("z", dist.Categorical(P2[z2, z1]), infer={"enumerate": "parallel"})
+        numpyro.sample("y", dist.Normal(locs[z], 1.0), obs=y_t)
+        return (z1, z), None
+
+    scan(step, (jnp.array(0), jnp.array(0)), y, history=2)
+
+
+def test_enumerated_scan_of_history_two_nuts_potential_equals_brute_force():
+    mu = 0.4
+    for model, T_obs, T_lat in (
+        (temper(hmm_order2, T), T, 1.0),
+        (temper(hmm_order2, T, latent="z"), T, T),
+    ):
+        paths = []
+        for path in itertools.product(range(2), repeat=len(Y4)):
+            lp, (z2, z1) = 0.0, (0, 0)
+            for t, z in enumerate(path):
+                lp = lp + jnp.log(P2[z2, z1, z]) / T_lat
+                lp = lp + dist.Normal(mu if z == 0 else -mu, 1.0).log_prob(Y4[t]) / T_obs
+                z2, z1 = z1, z
+            paths.append(lp)
+        exact = dist.Normal(0.0, 2.0).log_prob(mu) + jax.scipy.special.logsumexp(jnp.array(paths))
+        np.testing.assert_allclose(_enum_log_density(model, mu), exact, rtol=1e-5)
+
+
 def _point_mass_at(mu):
     def guide(*args, **kwargs):
         numpyro.sample("mu", dist.Delta(jnp.asarray(mu)))
