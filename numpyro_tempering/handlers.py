@@ -107,8 +107,8 @@ from numpyro_tempering.roles import (
     OBSERVED,
     control_flow_kind,
     emission_depth,
+    emitted_within,
     mark_origin,
-    origin_of,
     running_in,
     running_in_method_of,
     site_role,
@@ -424,11 +424,9 @@ def scan_unsupported_consumer() -> str | None:
     from numpyro.contrib.funsor.discrete import _sample_posterior
     from numpyro.infer.elbo import get_importance_trace_enum
 
-    if running_in(get_importance_trace_enum):
-        return "TraceEnum_ELBO"
-    if running_in(_sample_posterior):
-        return "infer_discrete"
-    return None
+    if not running_in(get_importance_trace_enum, _sample_posterior):
+        return None  # (one walk up the stack in the common case)
+    return "TraceEnum_ELBO" if running_in(get_importance_trace_enum) else "infer_discrete"
 
 
 def _inside_autoguide() -> bool:
@@ -608,7 +606,7 @@ class temper(Messenger):
     def _refuse_scan(self, msg: dict, name: str) -> None:
         from numpyro.contrib.control_flow.scan import scan_wrapper
 
-        if origin_of(msg).within == "scan" or running_in(scan_wrapper):
+        if emitted_within(msg) == "scan" or running_in(scan_wrapper):
             raise ValueError(
                 f"temper: site '{name}' is inside `numpyro.contrib.control_flow.scan`, "
                 f"which NumPyro's {self._scan_consumer} {SCAN_UNSUPPORTED[self._scan_consumer]}"
@@ -619,7 +617,7 @@ class temper(Messenger):
             )
 
     def _refuse_unreplayed_cond_latent(self, msg: dict, name: str) -> None:
-        if origin_of(msg).within != "cond":
+        if emitted_within(msg) != "cond":
             return
         for handler in self._outer_handlers():
             if isinstance(handler, _handlers.replay) and msg["name"] in handler.trace:

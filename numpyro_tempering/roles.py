@@ -59,6 +59,7 @@ __all__ = [
     "ORIGIN",
     "Origin",
     "control_flow_kind",
+    "emitted_within",
     "emission_depth",
     "mark_origin",
     "origin_of",
@@ -159,6 +160,13 @@ def mark_origin(msg: dict, within: str | None = None) -> None:
     if ORIGIN not in infer:  # a fresh dict: a model may share one ``infer`` between sites
         msg["infer"] = {**infer, ORIGIN: Origin(msg["name"], emission_depth(), within)}
     return None
+
+
+def emitted_within(msg: dict) -> str | None:
+    """The control-flow primitive (``"scan"`` or ``"cond"``) whose body emitted the sample
+    site ``msg``, as recorded by :func:`mark_origin`; ``None`` if none recorded it."""
+    origin = (msg.get("infer") or {}).get(ORIGIN)
+    return None if origin is None else Origin(*origin).within
 
 
 def origin_of(msg: dict) -> Origin:
