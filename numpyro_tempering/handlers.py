@@ -617,20 +617,22 @@ class temper(Messenger):
             )
 
     def _refuse_unreplayed_cond_latent(self, msg: dict, name: str) -> None:
-        if emitted_within(msg) != "cond":
+        replays = [h for h in _PYRO_STACK if isinstance(h, _handlers.replay)]
+        if not any(msg["name"] in h.trace for h in replays):
             return
-        for handler in self._outer_handlers():
-            if isinstance(handler, _handlers.replay) and msg["name"] in handler.trace:
-                raise ValueError(
-                    f"temper: latent site '{name}' is in a branch of "
-                    "`numpyro.contrib.control_flow.cond` run under `replay` (as every ELBO "
-                    "runs the model against the guide's draw). NumPyro's cond does not pass "
-                    f"`replay` into its branches: the branch draws '{name}' afresh while the "
-                    "trace records the guide's value, so the sites that depend on it get "
-                    "their density at the wrong value, even untempered. Sample it outside "
-                    "the cond and pass it to the branches, or use NUTS (its potential "
-                    "substitutes values, which cond supports)."
-                )
+        from numpyro.contrib.control_flow.cond import cond_wrapper
+
+        if emitted_within(msg) == "cond" or running_in(cond_wrapper):
+            raise ValueError(
+                f"temper: latent site '{name}' is in a branch of "
+                "`numpyro.contrib.control_flow.cond` run under `replay` (as every ELBO "
+                "runs the model against the guide's draw). NumPyro's cond does not pass "
+                f"`replay` into its branches: the branch draws '{name}' afresh while the "
+                "trace records the guide's value, so the sites that depend on it get "
+                "their density at the wrong value, even untempered. Sample it outside "
+                "the cond and pass it to the branches, or use NUTS (its potential "
+                "substitutes values, which cond supports)."
+            )
 
     def _check_shape(self, msg: dict, beta: Any) -> None:
         if jnp.ndim(beta) == 0:

@@ -5,6 +5,10 @@ Issue 21: where NumPyro itself adds or renames sites (Jacobians inside `scan`, e
 `log_likelihood` of a multicanonical model, `cond`). Every number is checked exactly: at
 T = 1 against the untempered model, at T != 1 against a closed form (the untempered prior
 part plus the likelihood over T) or a brute-force sum over every path of a short chain.
+Where NumPyro itself is wrong untempered (TraceEnum_ELBO and infer_discrete on `scan`, any
+ELBO on a latent in a `cond` branch) a test pins NumPyro's number, so that a fix upstream
+shows, and `temper` is checked to refuse naming the site. The other entry points on the
+same zoo: tests/test_entry_points.py.
 """
 
 import itertools
@@ -694,6 +698,16 @@ def test_numpyros_cond_does_not_replay_a_branch_latent_under_an_elbo():
     assert not np.isclose(Trace_ELBO().loss(KEY, {}, model, guide), exact, rtol=1e-3)
     with pytest.raises(ValueError, match="latent site 'w' is in a branch"):
         Trace_ELBO().loss(KEY, {}, temper(model, 1.0), guide)
+
+    def temper_in_the_branch():
+        def branch(_):
+            w = numpyro.sample("w", dist.Normal(0.0, 1.0))
+            numpyro.sample("y", dist.Normal(w, 1.0), obs=0.0)
+
+        cond(True, temper(branch, T), temper(branch, T), None)
+
+    with pytest.raises(ValueError, match="latent site 'w' is in a branch"):
+        Trace_ELBO().loss(KEY, {}, temper_in_the_branch, guide)
 
 
 Y2 = jnp.array([[0.2, -0.1], [0.5, 0.4], [-0.3, 0.8]])
