@@ -199,7 +199,6 @@ def test_hmcecs_potential_with_a_taylor_proxy_is_that_of_the_tempered_likelihood
     wide = _hmcecs_potential(lambda y=Y6: subsampled(y, np.sqrt(T)), proxy)
     tempered = _hmcecs_potential(temper(subsampled, T), proxy)
     np.testing.assert_allclose(tempered, wide - N * c, rtol=1e-6)
-    assert not np.isclose(tempered, _hmcecs_potential(subsampled, proxy))
 
 
 # --------------------------------------------------------------------------------------

@@ -352,21 +352,20 @@ def hmm_order2(y=Y4):
 
 
 def test_enumerated_scan_of_history_two_nuts_potential_equals_brute_force():
-    mu = 0.4
-    for model, T_obs, T_lat in (
-        (temper(hmm_order2, T), T, 1.0),
-        (temper(hmm_order2, T, latent="z"), T, T),
-    ):
-        paths = []
-        for path in itertools.product(range(2), repeat=len(Y4)):
-            lp, (z2, z1) = 0.0, (0, 0)
-            for t, z in enumerate(path):
-                lp = lp + jnp.log(P2[z2, z1, z]) / T_lat
-                lp = lp + dist.Normal(mu if z == 0 else -mu, 1.0).log_prob(Y4[t]) / T_obs
-                z2, z1 = z1, z
-            paths.append(lp)
-        exact = dist.Normal(0.0, 2.0).log_prob(mu) + jax.scipy.special.logsumexp(jnp.array(paths))
-        np.testing.assert_allclose(_enum_log_density(model, mu), exact, rtol=1e-5)
+    # states and observations at T with different weights (1/T against 1/T_y), so that a
+    # first step left at T = 1, or tempered as the wrong kind of site, shows
+    mu, T_y = 0.4, 1.7
+    paths = []
+    for path in itertools.product(range(2), repeat=len(Y4)):
+        lp, (z2, z1) = 0.0, (0, 0)
+        for t, z in enumerate(path):
+            lp = lp + jnp.log(P2[z2, z1, z]) / T
+            lp = lp + dist.Normal(mu if z == 0 else -mu, 1.0).log_prob(Y4[t]) / (T * T_y)
+            z2, z1 = z1, z
+        paths.append(lp)
+    exact = dist.Normal(0.0, 2.0).log_prob(mu) + jax.scipy.special.logsumexp(jnp.array(paths))
+    model = temper(temper(hmm_order2, T_y), T, latent="z")  # nested: temperatures multiply
+    np.testing.assert_allclose(_enum_log_density(model, mu), exact, rtol=1e-5)
 
 
 def _point_mass_at(mu):
