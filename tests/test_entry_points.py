@@ -226,6 +226,20 @@ def test_predictive_draws_of_the_tempered_model_are_the_untempered_ones(name, mo
         np.testing.assert_array_equal(tempered[site], plain[site])
 
 
+def test_predictive_latent_draws_of_the_tempered_scan_models_are_the_untempered_ones():
+    # scan needs the data for its length: the observations stay observed, the latents of
+    # every step (the state-space model's x and tau, the HMM's z) are drawn untempered,
+    # also when tempered by name (temper changes a latent's density, not its sampler)
+    key = jax.random.PRNGKey(5)
+    for model, given, latent in ((state_space, {"rho": jnp.array([0.3, -0.2])}, "x"),
+                                 (hmm, {"mu": jnp.array([0.4, -0.3])}, "z")):
+        plain = Predictive(model, given)(key)
+        tempered = Predictive(temper(model, T, latent=latent), given)(key)
+        assert sorted(tempered) == sorted(plain)
+        for site in plain:
+            np.testing.assert_array_equal(tempered[site], plain[site])
+
+
 # --------------------------------------------------------------------------------------
 # log_likelihood on the HMMs (the other zoo models: tests/test_site_roles.py)
 # --------------------------------------------------------------------------------------
