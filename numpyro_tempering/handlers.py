@@ -32,6 +32,13 @@ Which sites are tempered
 * Sites in a control-flow body are tempered as the user wrote them: the first steps of an
   enumerated ``scan`` (which NumPyro renames with ``_PREV_`` prefixes) are tempered like the
   rest, and ``latent="z"`` names them too.
+* Where NumPyro itself gets a control-flow model wrong, untempered too, ``temper`` raises a
+  ``ValueError`` naming the site instead of letting a wrong number through: ``scan`` under
+  ``TraceEnum_ELBO`` (which leaves the scan's first step out of the ELBO and sums its time
+  dimension as a plate) or under ``infer_discrete`` (which does not support ``scan``), and
+  a latent site in a ``cond`` branch under ``replay``, as in every ELBO (NumPyro's ``cond``
+  does not replay its branches). A chain written as a loop over
+  ``numpyro.contrib.funsor.markov`` works with both, tempered exactly.
 * ``latent=("z",)``: additionally temper these latent sites. The paper tempers
   p(x_i, z_i | beta) jointly: tempering the local latents is what flattens the objective for
   discrete locals (e.g. the topic assignments of LDA or the FMM's feature indicators).
@@ -83,6 +90,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import jax
@@ -98,8 +106,11 @@ from numpyro_tempering import schedules as _schedules
 from numpyro_tempering.roles import (
     AUXILIARY,
     OBSERVED,
+    control_flow_kind,
     emission_depth,
+    emitted_within,
     mark_origin,
+    running_in,
     running_in_method_of,
     site_role,
 )
@@ -387,6 +398,46 @@ def mixture_of(fn: Distribution) -> Distribution | None:
     return fn if joint else None
 
 
+#: NumPyro entry points that get ``scan`` wrong (untempered too) and why: ``temper`` refuses
+#: a model with ``scan`` under them rather than return their number.
+SCAN_UNSUPPORTED = {
+    "TraceEnum_ELBO": (
+        "gets wrong even untempered: it finds the model's sites in a run without "
+        "enumeration, where the scan's first step is not split off; under enumeration that "
+        "step runs under other names (`_PREV_` prefixes), so it is left out of the ELBO; and "
+        "the scan's time dimension is summed as a plate, not as a Markov chain (the states "
+        "of a hidden Markov model are summed as if independent)."
+    ),
+    "infer_discrete": (
+        "does not support (NumPyro documents this): its backward pass cannot read the "
+        "states of a scanned chain ('Could not extract point from -inf')."
+    ),
+}
+
+
+def scan_unsupported_consumer() -> str | None:
+    """The NumPyro entry point running the model, if it is one that gets ``scan`` wrong
+    (a key of :data:`SCAN_UNSUPPORTED`), else ``None``.
+
+    Example:
+        >>> import jax, numpyro, numpyro.distributions as dist
+        >>> from numpyro.infer import TraceEnum_ELBO
+        >>> seen = []
+        >>> def model():
+        ...     seen.append(scan_unsupported_consumer())
+        ...     numpyro.sample("y", dist.Normal(), obs=0.0)
+        >>> _ = TraceEnum_ELBO().loss(jax.random.PRNGKey(0), {}, model, lambda: None)
+        >>> seen[-1], scan_unsupported_consumer()
+        ('TraceEnum_ELBO', None)
+    """
+    from numpyro.contrib.funsor.discrete import _sample_posterior
+    from numpyro.infer.elbo import get_importance_trace_enum
+
+    if not running_in(get_importance_trace_enum, _sample_posterior):
+        return None  # (one walk up the stack in the common case)
+    return "TraceEnum_ELBO" if running_in(get_importance_trace_enum) else "infer_discrete"
+
+
 def _inside_autoguide() -> bool:
     """Whether the model runs inside an AutoGuide (building its prototype trace through
     ``initialize_model``, or evaluating the potential as AutoDAIS does), not under MCMC."""
@@ -513,6 +564,7 @@ class temper(Messenger):
         self.temperature = temperature
         self.clock = clock
         self._inv_temperature: Any = None
+        self._scan_consumer: str | None = None
         self._seen: set[str] = set()
         self._tempered: set[str] = set()
         self._base_depth = 0
@@ -569,6 +621,7 @@ class temper(Messenger):
         self._seen = set()
         self._tempered = set()
         self._base_depth = emission_depth(inside_message=False)
+        self._scan_consumer = scan_unsupported_consumer()
         if self.schedule is None:
             temperature = self.temperature
         else:
@@ -620,6 +673,37 @@ class temper(Messenger):
                 f"{sorted(self._seen)}."
             )
 
+    def _refuse_scan(self, msg: dict, name: str) -> None:
+        from numpyro.contrib.control_flow.scan import scan_wrapper
+
+        if emitted_within(msg) == "scan" or running_in(scan_wrapper):
+            raise ValueError(
+                f"temper: site '{name}' is inside `numpyro.contrib.control_flow.scan`, "
+                f"which NumPyro's {self._scan_consumer} {SCAN_UNSUPPORTED[self._scan_consumer]}"
+                " Write the chain as a Python loop, `for t in "
+                "numpyro.contrib.funsor.markov(range(T))`, with one site name per step "
+                "(this works tempered, also with `latent=` naming the states), or sum the "
+                "states out in the log density NUTS uses, which handles `scan` correctly."
+            )
+
+    def _refuse_unreplayed_cond_latent(self, msg: dict, name: str) -> None:
+        replays = [h for h in _PYRO_STACK if isinstance(h, _handlers.replay)]
+        if not any(msg["name"] in h.trace for h in replays):
+            return
+        from numpyro.contrib.control_flow.cond import cond_wrapper
+
+        if emitted_within(msg) == "cond" or running_in(cond_wrapper):
+            raise ValueError(
+                f"temper: latent site '{name}' is in a branch of "
+                "`numpyro.contrib.control_flow.cond` run under `replay` (as every ELBO "
+                "runs the model against the guide's draw). NumPyro's cond does not pass "
+                f"`replay` into its branches: the branch draws '{name}' afresh while the "
+                "trace records the guide's value, so the sites that depend on it get "
+                "their density at the wrong value, even untempered. Sample it outside "
+                "the cond and pass it to the branches, or use NUTS (its potential "
+                "substitutes values, which cond supports)."
+            )
+
     def _check_shape(self, msg: dict, beta: Any) -> None:
         if jnp.ndim(beta) == 0:
             return
@@ -637,11 +721,16 @@ class temper(Messenger):
     def process_message(self, msg: dict) -> None:
         if msg["type"] == "control_flow":  # record the roles of the body's sites where
             # they are emitted (the body runs out of sight; its sites are replayed later)
-            msg["kwargs"]["substitute_stack"].append(("substitute", mark_origin))
+            marker = partial(mark_origin, within=control_flow_kind(msg))
+            msg["kwargs"]["substitute_stack"].append(("substitute", marker))
             return
         if msg["type"] != "sample":
             return
         name, role = self.role(msg)
+        if self._scan_consumer is not None:
+            self._refuse_scan(msg, name)
+        if role != OBSERVED and not msg.get("is_observed"):
+            self._refuse_unreplayed_cond_latent(msg, name)
         if role == AUXILIARY and not self.selection.tempers_latent(name):
             return  # emitted by a handler (Jacobians, reparameterisers' sites): never
             # tempered unless named (e.g. the decentred site of a LocScaleReparam)

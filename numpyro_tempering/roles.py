@@ -58,6 +58,8 @@ __all__ = [
     "OBSERVED",
     "ORIGIN",
     "Origin",
+    "control_flow_kind",
+    "emitted_within",
     "emission_depth",
     "mark_origin",
     "origin_of",
@@ -73,13 +75,14 @@ _APPLY_STACK = apply_stack.__code__
 
 
 class Origin(tuple):
-    """``(name, depth)``: the site's name where it was emitted (before any renaming by the
-    control-flow body) and its emission depth (:func:`emission_depth`) there."""
+    """``(name, depth, within)``: the site's name where it was emitted (before any renaming
+    by the control-flow body), its emission depth (:func:`emission_depth`) there, and the
+    control-flow primitive whose body emitted it (``"scan"``, ``"cond"``, or ``None``)."""
 
     __slots__ = ()
 
-    def __new__(cls, name: str, depth: int) -> Origin:
-        return super().__new__(cls, (name, depth))
+    def __new__(cls, name: str, depth: int, within: str | None = None) -> Origin:
+        return super().__new__(cls, (name, depth, within))
 
     @property
     def name(self) -> str:
@@ -88,6 +91,10 @@ class Origin(tuple):
     @property
     def depth(self) -> int:
         return self[1]
+
+    @property
+    def within(self) -> str | None:
+        return self[2]
 
 
 def emission_depth(inside_message: bool = True) -> int:
@@ -130,15 +137,36 @@ def running_in_method_of(cls: type) -> bool:
     return False
 
 
-def mark_origin(msg: dict) -> None:
-    """Record the :class:`Origin` of a site emitted in a control-flow body (first marker
-    wins: stacked handlers see the same emission). Returns ``None``: substitutes nothing."""
+def control_flow_kind(msg: dict) -> str:
+    """``"scan"`` or ``"cond"``: the primitive that sent a ``control_flow`` message.
+
+    Example:
+        >>> from numpyro.contrib.control_flow.scan import scan_wrapper
+        >>> control_flow_kind({"type": "control_flow", "fn": scan_wrapper})
+        'scan'
+    """
+    from numpyro.contrib.control_flow.scan import scan_wrapper
+
+    return "scan" if msg["fn"] is scan_wrapper else "cond"
+
+
+def mark_origin(msg: dict, within: str | None = None) -> None:
+    """Record the :class:`Origin` of a site emitted in the body of the control-flow
+    primitive ``within`` (first marker wins: stacked handlers see the same emission).
+    Returns ``None``: substitutes nothing."""
     if msg.get("type") != "sample":
         return None
     infer = msg.get("infer") or {}
     if ORIGIN not in infer:  # a fresh dict: a model may share one ``infer`` between sites
-        msg["infer"] = {**infer, ORIGIN: Origin(msg["name"], emission_depth())}
+        msg["infer"] = {**infer, ORIGIN: Origin(msg["name"], emission_depth(), within)}
     return None
+
+
+def emitted_within(msg: dict) -> str | None:
+    """The control-flow primitive (``"scan"`` or ``"cond"``) whose body emitted the sample
+    site ``msg``, as recorded by :func:`mark_origin`; ``None`` if none recorded it."""
+    origin = (msg.get("infer") or {}).get(ORIGIN)
+    return None if origin is None else Origin(*origin).within
 
 
 def origin_of(msg: dict) -> Origin:
