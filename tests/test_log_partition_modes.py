@@ -9,6 +9,7 @@ mode at the prior's centre and the dominant one 17-23 prior sds out. One compile
 per model (the asymmetry is a traced argument).
 """
 
+import os
 import subprocess
 import sys
 import warnings
@@ -212,8 +213,10 @@ def test_a_logistic_regression_returns():
     # temperatures; 64 particles): before the fix this script hung with every thread idle
     # (killed by a 200 s timeout, as with 256 particles at 150 s); a subprocess with a time
     # limit turns a hang into a failure
+    # the user's XLA configuration, not the test session's fast-compile one (conftest.py)
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("NUMPYRO_TEMPERING_USER_XLA_FLAGS", ""))
     out = subprocess.run([sys.executable, "-c", HANG_SCRIPT], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "OK True" in out.stdout
 
