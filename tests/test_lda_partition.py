@@ -97,6 +97,11 @@ def test_long_documents_two_routes_agree(k, alpha, monkeypatch):
     exact = lp.length_log_partition(log_b, temps, alpha, 600)
     assert not np.any(np.isnan(fast))
     np.testing.assert_allclose(fast, exact, rtol=1e-12, atol=1e-9)
+    # a rung whose passes stall falls back to the log-space route, in float64 too
+    monkeypatch.setattr(lp, "EXACT_LENGTH", 128)
+    monkeypatch.setattr(lp, "PASS_FLOOR", -1.0)  # no pass yields anything: every rung stalls
+    fallback = lp.length_log_partition(log_b, temps, alpha, 600)
+    np.testing.assert_allclose(fallback, exact, rtol=1e-12, atol=1e-9)
 
 
 def test_normaliser_sums_the_tempered_model_over_every_document():

@@ -172,6 +172,12 @@ def _dirichlet_factor(inv_t: np.ndarray, alpha: np.ndarray, size: int) -> np.nda
             - special.gammaln(total + n[:, None] * inv_t[None, :]))
 
 
+def _exact_coefficients(log_f: np.ndarray) -> np.ndarray:
+    """:func:`_log_coefficients` of a float64 NumPy ``log_f``, computed in float64."""
+    with jax.enable_x64(True):
+        return np.asarray(_log_coefficients(jnp.asarray(log_f, jnp.float64)))
+
+
 @jax.jit
 def _log_coefficients(log_f):
     """(M, L+1) log of the coefficients of x^L in prod_k sum_n f_k(n) x^n, from log_f
@@ -240,9 +246,8 @@ def _tilted_pass(log_f: np.ndarray, rho: float) -> tuple[np.ndarray, np.ndarray]
         scale += np.log(top)
     full = np.zeros(size)
     full[first: first + acc.size] = acc
-    acc = full
     with np.errstate(divide="ignore"):
-        rel = np.log(acc)
+        rel = np.log(full)
     value = rel + scale + np.sum(shift[1:]) - lengths * rho
     return value, rel
 
@@ -287,7 +292,7 @@ def _windowed_table(log_f, exact):
         stuck[todo] = ~fresh.any(axis=1)
     left = np.flatnonzero(~known.all(axis=1))
     if left.size:
-        coef[left] = np.asarray(_log_coefficients(jnp.asarray(log_f[left])))
+        coef[left] = _exact_coefficients(log_f[left])
     return coef
 
 
@@ -329,9 +334,7 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
         return np.full((int(max_length) + 1, inv_t.size), np.nan)
     max_length = int(max_length)
     log_f = _log_terms(log_b, inv_t, alpha, max_length + 1)
-    with jax.enable_x64(True):
-        head = np.asarray(_log_coefficients(
-            jnp.asarray(log_f[:, : min(max_length, EXACT_LENGTH) + 1])))
+    head = _exact_coefficients(log_f[:, : min(max_length, EXACT_LENGTH) + 1])
     coef = _windowed_table(log_f, head) if max_length > EXACT_LENGTH else head
     return coef.T + _dirichlet_factor(inv_t, alpha, max_length + 1)
 
