@@ -247,10 +247,12 @@ def mvi_ladder(
                                             sizes=UNCHECKED)
 
 
-def _joint_log_c(lam: jax.Array, ladder: Ladder, alpha: float,
+def _joint_log_c(lam: jax.Array, ladder: Ladder, alpha: float | None,
                  lengths: np.ndarray) -> jax.Array:
-    """(D, M) exact log C_d(T_m | mean topics) of the joint form, as the model's data."""
+    """(D, M) exact log C_d(T_m | mean topics) of the joint form, as the model's data
+    (``alpha`` None: the model's default 1/K)."""
     lam = np.asarray(lam, np.float64)
+    alpha = 1.0 / lam.shape[0] if alpha is None else alpha
     if not np.all(np.isfinite(lam) & (lam > 0)):  # the fit went non-finite: NaN, not a guess
         return jnp.full((len(lengths), len(ladder.temperatures)), jnp.nan)
     table = lda_partition.conditional_log_partition(lam, ladder.temperatures, alpha, lengths,
@@ -340,23 +342,22 @@ def fit(
         raise ValueError(f"`guide` must be one of {GUIDES}, got {guide!r}.")
     num_steps = int(math.ceil(passes * num_docs / batch_size))
     subsample = None if batch_size == num_docs else batch_size
-    model = make_model(num_topics, corpus.vocab_size, alpha=alpha, eta=eta,
-                       subsample_size=subsample)
-    q = make_guide(guide, num_topics, corpus.vocab_size, subsample_size=subsample,
-                   hidden=hidden)
     mvi = isinstance(temperature, Ladder)
     joint = mvi and temperature.element_log_c is None
     if int(log_c_every) != log_c_every or log_c_every < 1:
         raise ValueError(f"`log_c_every` must be a positive integer, got {log_c_every!r}.")
-    if joint:
+    ladder = temperature if mvi else None
+    if joint:  # the normaliser lives in the model (JointWordCounts): the ladder's log C is 0
         ladder = temperature.with_log_partition_values(
             element_log_c=np.zeros((len(temperature.temperatures), num_docs)), plate="docs",
             sizes=UNCHECKED, selection=Selection.of(joint=True))
-        model = make_model(num_topics, corpus.vocab_size, alpha=alpha, eta=eta,
-                           subsample_size=subsample, joint=True,
-                           inv_temperatures=jnp.asarray(ladder.inverse_temperatures))
+    model = make_model(num_topics, corpus.vocab_size, alpha=alpha, eta=eta,
+                       subsample_size=subsample, joint=joint,
+                       inv_temperatures=(jnp.asarray(ladder.inverse_temperatures) if joint
+                                         else None))
+    q = make_guide(guide, num_topics, corpus.vocab_size, subsample_size=subsample,
+                   hidden=hidden)
     if mvi:
-        ladder = ladder if joint else temperature
         objective = MulticanonicalELBO(ladder, plate="docs", num_particles=num_particles)
         temps = None
     elif callable(temperature):
@@ -376,14 +377,18 @@ def fit(
     key_init, key_post = random.split(random.PRNGKey(seed))
     start = time.perf_counter()
     # compiled: eager initialisation runs the Dirichlet sampler op by op (10x slower)
-    data = (ids, counts)
-    if joint:  # initialisation only traces the model: any table of the right shape will do
-        data = (ids, counts, jnp.zeros((num_docs, len(ladder.temperatures))))
-    state = jax.jit(lambda key: svi.init(key, *data))(key_init)
-    if joint:
-        alpha_ = 1.0 / num_topics if alpha is None else alpha
-        data = (ids, counts, _joint_log_c(svi.get_params(state)["lam"], ladder, alpha_,
-                                          corpus.lengths))
+
+    def data_at(lam):
+        """The model's arguments; in the joint form with log C_d at the topics ``lam``
+        (``None``: initialisation only traces the model, any table of the shape will do)."""
+        if not joint:
+            return ids, counts
+        if lam is None:
+            return ids, counts, jnp.zeros((num_docs, len(ladder.temperatures)))
+        return ids, counts, _joint_log_c(lam, ladder, alpha, corpus.lengths)
+
+    state = jax.jit(lambda key: svi.init(key, *data_at(None)))(key_init)
+    data = data_at(svi.get_params(state)["lam"])
     update = jax.jit(svi.update).lower(state, *data).compile()
     posterior = None
     if mvi:
@@ -397,8 +402,7 @@ def fit(
     start = time.perf_counter()
     for step in range(num_steps):
         if joint and step and step % log_c_every == 0:
-            data = (ids, counts, _joint_log_c(svi.get_params(state)["lam"], ladder, alpha_,
-                                              corpus.lengths))
+            data = data_at(svi.get_params(state)["lam"])
         state, loss = update(state, *data)
         losses.append(loss)
         if posterior is not None:
