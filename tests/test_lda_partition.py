@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy import integrate, stats
 from scipy.special import gammaln, logsumexp
 
@@ -220,3 +222,63 @@ def test_mvi_cools_to_one_on_data_from_the_model():
     assert fit.temperatures[0] > 1.5  # it starts hot (random topics explain nothing) ...
     assert abs(fit.temperatures[-1] - 1.0) < 0.1  # ... and cools to 1
     assert np.all(np.isfinite(fit.lam)) and fit.log_c_seconds > 0
+
+
+BRACKET_TEMPS = np.array([1.0, 1.7, 3.0, 10.0])
+BRACKET_BASE = np.log(np.array([[1.0, 1.0, 1.0, 1.0], [1.5, 2.0, 1.2, 3.0],
+                                [4.0, 9.0, 2.0, 6.0], [50.0, 300.0, 20.0, 90.0]]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.floats(-0.05, 0.05), min_size=12, max_size=12), st.floats(0.05, 1.0))
+def test_stale_table_error_is_within_its_exact_bracket(shift, alpha):
+    """Moving the topics' log b_k(T) by delta_k moves log C_L by between L min delta and
+    L max delta (a positive combination of prod_k b_k^(n_k), sum n_k = L): the midpoint
+    table is within its half-width of the exact table at every length and rung."""
+    new = BRACKET_BASE.copy()
+    new[1:] += np.reshape(shift, (3, 4))
+    old = lp.exact_table(BRACKET_BASE, BRACKET_TEMPS, alpha, 300)
+    table, bound = lp.stale_table(old, new)
+    exact = lp.length_log_partition(new, BRACKET_TEMPS, alpha, 300)
+    assert np.all(np.abs(table - exact) <= bound + 1e-8 * (1 + np.abs(exact)))
+    assert np.all(bound[:, 0] == 0)  # T = 1: b_k = 1 never moves
+
+
+def test_refresh_recomputes_only_the_rungs_that_can_matter():
+    """lda_svi's normaliser recomputes a rung when max_d q(y_d = m) (e^{2 e_m(L_d)} - 1)
+    exceeds the tolerance: no mass, no recomputation (the bracketed table is returned); full
+    mass on every rung, every rung whose bracket is not 0 (T = 1's always is)."""
+    rng = np.random.default_rng(0)
+    lam = rng.gamma(1.0, 1.0, (3, 12)) + 0.1
+    lengths = np.array([5, 40, 200, 0])
+    mc = lda_svi.Multicanonical.paper(6)
+    norm = lda_svi._Normaliser(mc, 0.3, lengths)
+    first = norm.table(lam)
+    assert norm.rungs == 6
+    np.testing.assert_allclose(first, lp.conditional_log_partition(
+        lam, mc.temperatures, 0.3, lengths, topics="mean"), atol=1e-10)
+    moved = lam * rng.uniform(0.9, 1.1, lam.shape)
+    none = np.zeros((lda_svi.LENGTH_BINS, 6))
+    stale = norm.table(moved, none)
+    assert norm.rungs == 6  # nothing recomputed ...
+    exact = lp.conditional_log_partition(moved, mc.temperatures, 0.3, lengths, topics="mean")
+    log_b = lp.topic_log_sums(moved / moved.sum(1, keepdims=True), mc.temperatures,
+                              expected=False)
+    _, bound = lp.stale_table(norm.exact, log_b)
+    assert np.all(np.abs(stale - exact) <= bound[lengths] + 1e-9)  # ... and within the bracket
+    assert np.max(bound[lengths]) > 1e-3
+    fresh = norm.table(moved, np.ones((lda_svi.LENGTH_BINS, 6)))
+    assert norm.rungs == 6 + 5
+    np.testing.assert_allclose(fresh, exact, atol=1e-10)
+
+
+def test_lazy_refresh_follows_the_full_refresh():
+    """A fit with the default tolerance computes fewer rung tables than one recomputing
+    every rung at every refresh, and learns the same temperatures and topics."""
+    corpus, _ = corpora.synthetic(1, 300, 80, 3, 40, alpha=0.3, eta=0.3)
+    runs = [lda_svi.fit(corpus, 3, passes=2, batch_size=50, tau=10.0, seed=0,
+                        temperature=lda_svi.Multicanonical.paper(20)._replace(tolerance=tol))
+            for tol in (0.0, 0.01)]
+    assert runs[1].log_c_rungs < runs[0].log_c_rungs
+    np.testing.assert_allclose(runs[1].temperatures, runs[0].temperatures, atol=0.02)
+    np.testing.assert_allclose(runs[1].lam, runs[0].lam, rtol=0.02)

@@ -74,6 +74,8 @@ heated up instead of cooling with it (docs/lda.md, "Why MVI heated up").
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,8 +83,11 @@ from jax.scipy.special import gammaln
 from scipy import special
 
 __all__ = [
+    "ExactTable",
     "conditional_log_partition",
+    "exact_table",
     "length_log_partition",
+    "stale_table",
     "topic_log_sums",
 ]
 
@@ -367,3 +372,80 @@ def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.
     max_length = int(lengths.max()) if lengths.size else 0
     table = length_log_partition(log_b, temperatures, alpha, max_length)
     return table[lengths.astype(np.int64)]
+
+
+# -- following the topics without recomputing every rung ----------------------------------------
+
+
+class ExactTable(NamedTuple):
+    r"""Exact per-rung tables and the topics they were computed at.
+
+    ``table`` (L_max + 1, M): :math:`\log C(T_m)` for every length (rung m exact at
+    ``log_b[m]``); ``log_b`` (M, K): the :math:`\log b_k(T_m)` each rung was computed at.
+    Rungs may have been computed at different topics (:func:`exact_table` with ``rungs``).
+    """
+
+    table: np.ndarray
+    log_b: np.ndarray
+
+
+def exact_table(log_b: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
+                alpha: np.typing.ArrayLike, max_length: int, *,
+                previous: ExactTable | None = None,
+                rungs: np.typing.ArrayLike | None = None) -> ExactTable:
+    r""":func:`length_log_partition` at ``log_b`` (M, K) for the ``rungs`` listed (default
+    all), the other rungs kept from ``previous`` (as they were, at their own topics).
+
+    Example:
+        >>> temps = [1.0, 2.0, 4.0]
+        >>> old = exact_table(np.zeros((3, 2)), temps, 0.5, 10)
+        >>> new = exact_table(np.full((3, 2), 0.1), temps, 0.5, 10, previous=old, rungs=[2])
+        >>> new.log_b[:, 0].tolist(), bool(np.allclose(new.table[:, :2], old.table[:, :2]))
+        ([0.0, 0.0, 0.1], True)
+    """
+    log_b = np.asarray(log_b, np.float64)
+    m = log_b.shape[0]
+    rungs = np.arange(m) if rungs is None else np.asarray(rungs, np.int64).reshape(-1)
+    temps = np.asarray(temperatures, np.float64)
+    if previous is None:
+        if rungs.size != m:
+            raise ValueError("`rungs` needs a `previous` table to keep the other rungs from.")
+        return ExactTable(length_log_partition(log_b, temps, alpha, max_length), log_b.copy())
+    if previous.table.shape != (int(max_length) + 1, m) or previous.log_b.shape != log_b.shape:
+        raise ValueError(f"`previous` has shapes {previous.table.shape}, "
+                         f"{previous.log_b.shape}; expected {(int(max_length) + 1, m)}, "
+                         f"{log_b.shape}.")
+    table, kept = previous.table.copy(), previous.log_b.copy()
+    if rungs.size:
+        table[:, rungs] = length_log_partition(log_b[rungs], temps[rungs], alpha, max_length)
+        kept[rungs] = log_b[rungs]
+    return ExactTable(table, kept)
+
+
+def stale_table(exact: ExactTable, log_b: np.typing.ArrayLike
+                ) -> tuple[np.ndarray, np.ndarray]:
+    r"""The table at new topics ``log_b`` (M, K) from an exact one at older topics, with
+    an exact bound on its error: ``(table, bound)``, both (L_max + 1, M).
+
+    :math:`C_L = \sum_{|n| = L} w(n)\prod_k b_k^{n_k}` with :math:`w(n) \ge 0` (module
+    docstring), so moving every :math:`\log b_k` by :math:`\delta_k` moves :math:`\log C_L`
+    by between :math:`L\min_k\delta_k` and :math:`L\max_k\delta_k`. The returned table adds
+    the midpoint :math:`L(\max_k\delta_k + \min_k\delta_k)/2` to the exact one; its error is
+    at most ``bound`` :math:`= L(\max_k\delta_k - \min_k\delta_k)/2` (0 where the topics
+    did not move, and at T = 1 where :math:`b_k = 1` always).
+
+    Example:
+        >>> temps = [1.0, 3.0]
+        >>> old = exact_table(np.zeros((2, 2)), temps, 0.5, 30)
+        >>> new_b = np.array([[0.0, 0.0], [0.02, -0.01]])
+        >>> table, bound = stale_table(old, new_b)
+        >>> exact = length_log_partition(new_b, temps, 0.5, 30)
+        >>> bool(np.all(np.abs(table - exact) <= bound + 1e-9)), round(float(bound[30, 1]), 6)
+        (True, 0.45)
+    """
+    delta = np.asarray(log_b, np.float64) - exact.log_b
+    if delta.shape != exact.log_b.shape:
+        raise ValueError(f"`log_b` must have shape {exact.log_b.shape}, got {delta.shape}.")
+    lengths = np.arange(exact.table.shape[0], dtype=np.float64)[:, None]
+    hi, lo = np.max(delta, axis=1), np.min(delta, axis=1)
+    return exact.table + lengths * (hi + lo) / 2, lengths * (hi - lo) / 2

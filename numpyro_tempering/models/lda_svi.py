@@ -93,6 +93,7 @@ __all__ = [
     "LDAConfig",
     "Multicanonical",
     "OnlineLDAState",
+    "LENGTH_BINS",
     "StepInfo",
     "digamma_positive",
     "document_log_partition",
@@ -201,9 +202,15 @@ class Multicanonical(NamedTuple):
     :math:`\lambda` before the first update and then whenever the step sizes summed since
     the last computation reach ``refresh`` (:math:`\lambda` has moved by about that
     fraction; 0 recomputes before every update); its cost is reported apart as
-    ``FitResult.log_c_seconds``. A callable ``lengths -> (n, M)`` fixes :math:`\log C_d`
-    for the whole fit instead (e.g. the supplement's prior Monte Carlo,
-    :func:`document_log_partition`, kept for comparison: biased low for long documents).
+    ``FitResult.log_c_seconds``. At a refresh only the rungs where it matters are
+    recomputed (``tolerance``, below); the others keep their exact table, shifted by the
+    midpoint of an exact bracket (:func:`~numpyro_tempering.models.lda_partition.stale_table`:
+    moving the topics' :math:`\log b_k(T_m)` by :math:`\delta_k` moves :math:`\log C_L`
+    by between :math:`L\min_k\delta_k` and :math:`L\max_k\delta_k`), whose half-width
+    :math:`e_m(L)` bounds its error for a document of L words. A callable
+    ``lengths -> (n, M)`` fixes :math:`\log C_d` for the whole fit instead (e.g. the
+    supplement's prior Monte Carlo, :func:`document_log_partition`, kept for comparison:
+    biased low for long documents).
 
     ``topics``: which topics the temperature posterior conditions on. ``"mean"`` (default):
     the posterior mean :math:`\bar\beta = \lambda/\sum_v\lambda`, in both the
@@ -214,6 +221,15 @@ class Multicanonical(NamedTuple):
     that eq. 18 divides by :math:`T_m`, favours hot rungs for as long as the topics are
     uncertain, and tempered updates keep them uncertain: on small corpora MVI then stays hot
     (docs/lda.md, "Why MVI heated up").
+
+    ``tolerance``: a rung m is recomputed at a refresh when
+    :math:`\max_d q(y_d = m)(e^{2e_m(L_d)} - 1) >` ``tolerance`` over the documents of
+    the last pass's updates (of the minibatches so far in the first pass; :math:`L_d`
+    rounded up to :math:`2^b - 1`, :attr:`StepInfo.rung_mass`): a bound on how much of
+    a document's temperature posterior the rung's stale value can move. A rung no document
+    uses (the hot ones, once the fit has cooled) waits until its bracket is wide enough to
+    matter; 0 recomputes every rung at every refresh.
+    ``FitResult.log_c_rungs`` counts the rung computations.
 
     ``anchors``: the number of rungs each document is fitted at (:func:`local_step`):
     evenly spaced along the ladder, T = 1 and the hottest included; the cost of the local
@@ -236,6 +252,7 @@ class Multicanonical(NamedTuple):
     refresh: float = 0.25
     anchors: int = 4
     topics: str = "mean"
+    tolerance: float = 0.01
 
     def anchor_temperatures(self) -> np.ndarray:
         """The ``anchors`` rungs each document is fitted at (:func:`local_step`): evenly
@@ -263,14 +280,28 @@ class Multicanonical(NamedTuple):
         return cls(temps, np.full(temps.size, -math.log(temps.size)), None, refresh)
 
 
+#: documents are grouped by length in powers of 2 for the normaliser's refresh rule
+LENGTH_BINS = 24
+
+
+def _length_bin(length):
+    """Row of :attr:`StepInfo.rung_mass` for documents of ``length`` words."""
+    return jnp.clip(jnp.floor(jnp.log2(length + 1.0)), 0, LENGTH_BINS - 1).astype(jnp.int32)
+
+
 class StepInfo(NamedTuple):
     """Per-update record: the step size ``rho``; ``temperature``: T (AVI) or the mean over
     the minibatch's documents of :math:`\\mathbb E_{q(y_d)}[T]` (MVI); ``iterations``: mean
-    local sweeps per document (MVI: summed over its anchor fits)."""
+    local sweeps per document (MVI: summed over its anchor fits); ``rung_mass``
+    (:data:`LENGTH_BINS`, M): the largest :math:`q(y_d = m)` over the minibatch's
+    documents of length :math:`2^b - 1 < L_d \\le 2^{b+1} - 1` in row b (the last row also
+    every longer one; with a ``mesh``, summed over devices: an upper bound); M = 0 unless
+    MVI."""
 
     rho: jax.Array
     temperature: jax.Array
     iterations: jax.Array
+    rung_mass: jax.Array
 
 
 class LocalResult(NamedTuple):
@@ -658,6 +689,7 @@ class _Stats(NamedTuple):
     sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
+    rung_mass: jax.Array  # (LENGTH_BINS, M): max of q(y_d = m) by length bin (MVI; M = 0 else)
 
 
 def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _Stats:
@@ -668,16 +700,20 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _S
         local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
+        length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
+        rung_mass = jnp.maximum(jax.ops.segment_max(
+            jnp.where(real[:, None], local.q_y, 0), _length_bin(length), LENGTH_BINS), 0)
     else:
         t = jnp.asarray(temperature, dtype)
         local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
+        rung_mass = jnp.zeros((LENGTH_BINS, 0), dtype)
     k = cfg.num_topics
     sstats = jnp.zeros((cfg.vocab_size, k), dtype).at[jnp.ravel(ids)].add(
         local.sstats.reshape(-1, k)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
-    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)))
+    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_mass)
 
 
 def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
@@ -694,7 +730,8 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     rho = learning_rate(state.step, cfg.tau, cfg.kappa).astype(dtype)
     new_lam = (1 - rho) * lam + rho * lam_hat
     iters = stats.sum_iters.astype(dtype) / num_real
-    return OnlineLDAState(new_lam, state.step + 1), StepInfo(rho, mean_t, iters)
+    return (OnlineLDAState(new_lam, state.step + 1),
+            StepInfo(rho, mean_t, iters, jnp.minimum(stats.rung_mass, 1)))
 
 
 # -- fitting -----------------------------------------------------------------------------------
@@ -708,7 +745,8 @@ class FitResult(NamedTuple):
     :math:`\\mathbb E_{q(y_d)}[T]` over the minibatch); ``rho`` (steps,); ``seconds``: wall
     time of all updates after compilation; ``compile_seconds``; ``num_steps``;
     ``docs_per_second``; ``log_c_seconds``: the part of ``seconds`` spent recomputing
-    :math:`\\log C_d` from the topics (MVI with the conditional normaliser).
+    :math:`\\log C_d` from the topics (MVI with the conditional normaliser);
+    ``log_c_rungs``: how many rung tables were computed for it (M per full computation).
     """
 
     lam: np.ndarray
@@ -720,6 +758,7 @@ class FitResult(NamedTuple):
     num_steps: int
     docs_per_second: float
     log_c_seconds: float = 0.0
+    log_c_rungs: int = 0
 
 
 def _as_schedule(temperature) -> Callable | None:
@@ -983,9 +1022,14 @@ def fit(
     if follow_topics and not (math.isfinite(temperature.refresh) and temperature.refresh >= 0):
         raise ValueError(f"`Multicanonical.refresh` must be a finite number >= 0, got "
                          f"{temperature.refresh!r}.")
+    if follow_topics and not (math.isfinite(temperature.tolerance)
+                              and temperature.tolerance >= 0):
+        raise ValueError(f"`Multicanonical.tolerance` must be a finite number >= 0, got "
+                         f"{temperature.tolerance!r}.")
+    normaliser = _Normaliser(temperature, cfg.alpha, lengths) if follow_topics else None
     if schedule is None:
-        all_log_c = jnp.asarray(_log_c_table(temperature, state.lam, cfg.alpha, lengths),
-                                dtype)
+        all_log_c = jnp.asarray(normaliser.table(state.lam) if follow_topics else
+                                _log_c_table(temperature, state.lam, cfg.alpha, lengths), dtype)
         ladder = (jnp.asarray(1.0 / np.asarray(temperature.temperatures, np.float64), dtype),
                   jnp.asarray(temperature.log_weights, dtype),
                   jnp.asarray(1.0 / temperature.anchor_temperatures(), dtype))
@@ -1049,8 +1093,9 @@ def fit(
             moved = 0.0
             jax.block_until_ready(state.lam)
             tick = time.perf_counter()
-            all_log_c = put(jnp.asarray(_log_c_table(temperature, state.lam, cfg.alpha,
-                                                     lengths), dtype), False)
+            window = infos[-steps_per_pass:]  # the last pass's documents
+            mass = np.max(np.stack([np.asarray(x.rung_mass) for x in window]), axis=0)
+            all_log_c = put(jnp.asarray(normaliser.table(state.lam, mass), dtype), False)
             log_c_seconds += time.perf_counter() - tick
         state, info = compiled(state, all_ids, all_counts, all_log_c,
                                *padded(docs, sh, doc_rows), first_gamma(), temp)
@@ -1069,7 +1114,8 @@ def fit(
         lam = np.full_like(lam, np.nan)  # numerical trouble is NaN, never a finite guess
     total = float(sum(docs.size for docs in batches))
     return FitResult(lam, state, temps, rho, seconds, compile_seconds, num_steps,
-                     total / seconds if seconds > 0 else float("inf"), log_c_seconds)
+                     total / seconds if seconds > 0 else float("inf"), log_c_seconds,
+                     normaliser.rungs if normaliser is not None else 0)
 
 
 def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> np.ndarray:
@@ -1077,12 +1123,51 @@ def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> 
     normaliser conditional on the current topics (lda_partition)."""
     if mc.log_c_per_length is not None:
         return np.asarray(mc.log_c_per_length(lengths))
-    table = lda_partition.conditional_log_partition(np.asarray(lam), mc.temperatures, alpha,
-                                                    lengths, topics=mc.topics)
-    if not np.all(np.isfinite(table)):
-        raise FloatingPointError("log C_d(T | topics) is not finite: the topics' Dirichlet "
-                                 "parameters are not finite and > 0.")
-    return table
+    return _Normaliser(mc, alpha, lengths).table(lam)
+
+
+class _Normaliser:
+    """log C_d(T_m | current topics) for a fit's documents (:class:`Multicanonical`): the
+    exact table of every rung, recomputed where a rung's exact error bound could move some
+    document's temperature posterior by more than ``mc.tolerance``."""
+
+    def __init__(self, mc: Multicanonical, alpha: float, lengths: np.ndarray):
+        self.mc, self.alpha, self.lengths = mc, alpha, lengths
+        self.max_length = int(lengths.max()) if lengths.size else 0
+        self.exact: lda_partition.ExactTable | None = None
+        self.rungs = 0  # rung tables computed
+
+    def _log_b(self, lam) -> np.ndarray:
+        lam = np.asarray(lam, np.float64)
+        if not np.all(np.isfinite(lam) & (lam > 0)):
+            raise FloatingPointError("log C_d(T | topics) is not finite: the topics' "
+                                     "Dirichlet parameters are not finite and > 0.")
+        if self.mc.topics == "mean":
+            return lda_partition.topic_log_sums(lam / lam.sum(axis=1, keepdims=True),
+                                                self.mc.temperatures, expected=False)
+        return lda_partition.topic_log_sums(lam, self.mc.temperatures)
+
+    def table(self, lam, rung_mass: np.ndarray | None = None) -> np.ndarray:
+        """(D + 1, M) at the topics ``lam``; ``rung_mass`` (LENGTH_BINS, M): the largest
+        q(y_d = m) lately by length bin (``None``: recompute every rung)."""
+        log_b = self._log_b(lam)
+        rungs = np.arange(log_b.shape[0])
+        if self.exact is not None and rung_mass is not None:
+            _, bound = lda_partition.stale_table(self.exact, log_b)
+            longest = np.minimum(2 ** np.arange(1, LENGTH_BINS + 1) - 1, self.max_length)
+            longest[-1] = self.max_length
+            with np.errstate(over="ignore", invalid="ignore"):  # inf * 0: recompute
+                at_risk = np.max(np.asarray(rung_mass, np.float64)
+                                 * np.expm1(2 * bound[longest]), axis=0)
+            rungs = np.flatnonzero(~(at_risk <= self.mc.tolerance))
+        self.exact = lda_partition.exact_table(log_b, self.mc.temperatures, self.alpha,
+                                               self.max_length, previous=self.exact,
+                                               rungs=rungs)
+        self.rungs += int(rungs.size)
+        table, _ = lda_partition.stale_table(self.exact, log_b)
+        if not np.all(np.isfinite(table)):
+            raise FloatingPointError("log C_d(T | topics) is not finite.")
+        return table[self.lengths.astype(np.int64)]
 
 
 # -- evaluation --------------------------------------------------------------------------------
