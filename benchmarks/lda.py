@@ -144,7 +144,8 @@ def ours(train, args, seed, temperature, rates, **options):
                       **options)
     if res.log_c_seconds > 0:
         print(f"    log C_d recomputed from the topics: {res.log_c_seconds:.1f} s of "
-              f"{res.seconds:.1f} s ({res.log_c_seconds / res.seconds:.0%})", flush=True)
+              f"{res.seconds:.1f} s ({res.log_c_seconds / res.seconds:.0%}), "
+              f"{res.log_c_rungs} rung tables", flush=True)
     return res.lam, res.seconds, res.compile_seconds, res.docs_per_second, res.temperatures
 
 
