@@ -549,18 +549,14 @@ def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     :math:`r`."""
     inv_temps, log_pi, anchors, log_c = ladder
     batch, num_anchors = gamma0.shape[0], anchors.shape[0]
-    rows = counts.shape[0]
-    shift = batch * jnp.arange(num_anchors)[:, None]
-    tiled_doc = jnp.where(row_doc[None, :] < batch, row_doc[None, :] + shift,
-                          num_anchors * batch).reshape(-1)
-    tiled_w = jnp.tile(elog_w, (num_anchors, 1, 1))
-    tiled_cnt = jnp.tile(counts, (num_anchors, 1))
-    inv_t = jnp.repeat(anchors, batch)
-    gamma, sstats, iters = _tempered_fit(cfg, tiled_w, tiled_cnt,
-                                         jnp.tile(gamma0, (num_anchors, 1)), inv_t, tiled_doc)
-    score_w = tiled_w if score_w is None else jnp.tile(score_w, (num_anchors, 1, 1))
-    bound, ell = _local_bound(cfg, score_w, tiled_cnt, gamma, inv_t, tiled_doc)
-    bound, ell = bound.reshape(num_anchors, batch), ell.reshape(num_anchors, batch)
+    score_w = elog_w if score_w is None else score_w
+    fits = []
+    for j in range(num_anchors):  # one loop per anchor: each stops at its own slowest
+        inv_t = jnp.full((batch,), anchors[j])
+        gamma_j, sstats_j, iters_j = _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc)
+        fits.append((gamma_j, sstats_j, iters_j,
+                     *_local_bound(cfg, score_w, counts, gamma_j, inv_t, row_doc)))
+    gamma, sstats, iters, bound, ell = (jnp.stack(x) for x in zip(*fits, strict=True))
     # tangent of anchor j at rung m: a lower bound on rung m's best local bound
     tangents = bound[..., None] + (inv_temps - anchors[:, None])[:, None, :] * ell[..., None]
     best = jnp.argmax(tangents, axis=0)  # (B, M): the anchor serving each rung
@@ -569,12 +565,11 @@ def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     weight = jnp.sum(jnp.where(served, r * inv_temps, 0.0), axis=-1)  # (J, B)
     row_weight = jnp.take(weight / anchors[:, None], jnp.minimum(row_doc, batch - 1), axis=1)
     row_weight = jnp.where(row_doc[None, :] < batch, row_weight, 0.0)  # (J, R)
-    stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats.reshape(num_anchors, rows,
-                                                                   *sstats.shape[1:]))
+    stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats)
     mass = jnp.sum(jnp.where(served, r, 0.0), axis=-1)  # (J, B)
     heaviest = jnp.argmax(mass, axis=0)
-    gamma = gamma.reshape(num_anchors, batch, -1)[heaviest, jnp.arange(batch)]
-    iters = jnp.sum(iters.reshape(num_anchors, batch), axis=0)
+    gamma = gamma[heaviest, jnp.arange(batch)]
+    iters = jnp.sum(iters, axis=0)
     return LocalResult(gamma, stats, r @ inv_temps, iters, r)
 
 
