@@ -94,6 +94,7 @@ __all__ = [
     "Multicanonical",
     "OnlineLDAState",
     "LENGTH_BINS",
+    "RISK_WINDOW",
     "StepInfo",
     "digamma_positive",
     "document_log_partition",
@@ -222,13 +223,18 @@ class Multicanonical(NamedTuple):
     uncertain, and tempered updates keep them uncertain: on small corpora MVI then stays hot
     (docs/lda.md, "Why MVI heated up").
 
-    ``tolerance``: a rung m is recomputed at a refresh when
-    :math:`\max_d q(y_d = m)(e^{2e_m(L_d)} - 1) >` ``tolerance`` over the documents of
-    the last pass's updates (of the minibatches so far in the first pass; :math:`L_d`
-    rounded up to :math:`2^b - 1`, :attr:`StepInfo.rung_mass`): a bound on how much of
-    a document's temperature posterior the rung's stale value can move. A rung no document
-    uses (the hot ones, once the fit has cooled) waits until its bracket is wide enough to
-    matter; 0 recomputes every rung at every refresh.
+    ``tolerance``: the share of a minibatch's topic statistics that the stale rungs may
+    move. A document's statistics are :math:`\sum_m q(y_d = m) h_m n_{dv}\phi_{dvk}`
+    (:func:`local_step`); an error of at most :math:`e_m` in rung m's :math:`\log C_d`
+    changes :math:`q(y_d = m)` by at most :math:`q(y_d = m)(e^{2e_m} - 1)`, so it moves at
+    most :math:`a_m = \sum_d q(y_d = m)(e^{2e_m(L_d)} - 1) L_d` of the :math:`\sum_d L_d`
+    words. At a refresh the rungs with the smallest :math:`a_m` stay stale as long as their
+    sum stays below ``tolerance`` times the words (:math:`a_m` and the words averaged over
+    the latest :data:`RISK_WINDOW` updates: minibatches are drawn at random, so these
+    estimate the next ones' under the current topics; :math:`L_d` rounded up to
+    :math:`2^{b+1} - 1`, :attr:`StepInfo.rung_words`); the others are recomputed. A rung
+    no document uses (the hot ones, once the fit has cooled) waits until its bracket is
+    wide enough to matter; 0 recomputes every rung at every refresh.
     ``FitResult.log_c_rungs`` counts the rung computations.
 
     ``anchors``: the number of rungs each document is fitted at (:func:`local_step`):
@@ -282,26 +288,27 @@ class Multicanonical(NamedTuple):
 
 #: documents are grouped by length in powers of 2 for the normaliser's refresh rule
 LENGTH_BINS = 24
+#: the refresh rule averages the words at risk over this many latest updates
+RISK_WINDOW = 4
 
 
 def _length_bin(length):
-    """Row of :attr:`StepInfo.rung_mass` for documents of ``length`` words."""
+    """Row of :attr:`StepInfo.rung_words` for documents of ``length`` words."""
     return jnp.clip(jnp.floor(jnp.log2(length + 1.0)), 0, LENGTH_BINS - 1).astype(jnp.int32)
 
 
 class StepInfo(NamedTuple):
     """Per-update record: the step size ``rho``; ``temperature``: T (AVI) or the mean over
     the minibatch's documents of :math:`\\mathbb E_{q(y_d)}[T]` (MVI); ``iterations``: mean
-    local sweeps per document (MVI: summed over its anchor fits); ``rung_mass``
-    (:data:`LENGTH_BINS`, M): the largest :math:`q(y_d = m)` over the minibatch's
-    documents of length :math:`2^b - 1 < L_d \\le 2^{b+1} - 1` in row b (the last row also
-    every longer one; with a ``mesh``, summed over devices: an upper bound); M = 0 unless
-    MVI."""
+    local sweeps per document (MVI: summed over its anchor fits); ``rung_words``
+    (:data:`LENGTH_BINS`, M): :math:`\\sum_d q(y_d = m) L_d` over the minibatch's
+    documents of length :math:`2^b \\le L_d + 1 < 2^{b+1}` in row b (the last row also
+    every longer one); M = 0 unless MVI."""
 
     rho: jax.Array
     temperature: jax.Array
     iterations: jax.Array
-    rung_mass: jax.Array
+    rung_words: jax.Array
 
 
 class LocalResult(NamedTuple):
@@ -684,7 +691,7 @@ class _Stats(NamedTuple):
     sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
-    rung_mass: jax.Array  # (LENGTH_BINS, M): max of q(y_d = m) by length bin (MVI; M = 0 else)
+    rung_words: jax.Array  # (LENGTH_BINS, M): sum of q(y_d = m) L_d by length bin (MVI)
 
 
 def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _Stats:
@@ -696,19 +703,19 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _S
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
-        rung_mass = jnp.maximum(jax.ops.segment_max(
-            jnp.where(real[:, None], local.q_y, 0), _length_bin(length), LENGTH_BINS), 0)
+        rung_words = jax.ops.segment_sum(jnp.where(real, length, 0)[:, None] * local.q_y,
+                                         _length_bin(length), LENGTH_BINS)
     else:
         t = jnp.asarray(temperature, dtype)
         local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
-        rung_mass = jnp.zeros((LENGTH_BINS, 0), dtype)
+        rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
     k = cfg.num_topics
     sstats = jnp.zeros((cfg.vocab_size, k), dtype).at[jnp.ravel(ids)].add(
         local.sstats.reshape(-1, k)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
-    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_mass)
+    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_words)
 
 
 def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
@@ -726,7 +733,7 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     new_lam = (1 - rho) * lam + rho * lam_hat
     iters = stats.sum_iters.astype(dtype) / num_real
     return (OnlineLDAState(new_lam, state.step + 1),
-            StepInfo(rho, mean_t, iters, jnp.minimum(stats.rung_mass, 1)))
+            StepInfo(rho, mean_t, iters, stats.rung_words))
 
 
 # -- fitting -----------------------------------------------------------------------------------
@@ -1088,9 +1095,9 @@ def fit(
             moved = 0.0
             jax.block_until_ready(state.lam)
             tick = time.perf_counter()
-            window = infos[-steps_per_pass:]  # the last pass's documents
-            mass = np.max(np.stack([np.asarray(x.rung_mass) for x in window]), axis=0)
-            all_log_c = put(jnp.asarray(normaliser.table(state.lam, mass), dtype), False)
+            window = infos[-RISK_WINDOW:]  # the latest documents, under recent topics
+            words = np.mean(np.stack([np.asarray(x.rung_words) for x in window]), axis=0)
+            all_log_c = put(jnp.asarray(normaliser.table(state.lam, words), dtype), False)
             log_c_seconds += time.perf_counter() - tick
         state, info = compiled(state, all_ids, all_counts, all_log_c,
                                *padded(docs, sh, doc_rows), first_gamma(), temp)
@@ -1121,10 +1128,26 @@ def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> 
     return _Normaliser(mc, alpha, lengths).table(lam)
 
 
+def _rungs_to_refresh(words: np.ndarray, bound: np.ndarray, max_length: int,
+                      tolerance: float) -> np.ndarray:
+    """The rungs to recompute: all but those with the smallest words at risk
+    :math:`a_m` (:class:`Multicanonical`, ``tolerance``) whose sum stays within
+    ``tolerance`` times the words."""
+    longest = np.minimum(2 ** np.arange(1, LENGTH_BINS + 1) - 1, max_length)
+    longest[-1] = max_length
+    ratio = words / np.maximum(np.sum(words), np.finfo(np.float64).tiny)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 -> nan: recomputed
+        at_risk = np.sum(ratio * np.expm1(2 * bound[longest]), axis=0)
+    at_risk = np.where(np.isnan(at_risk), np.inf, at_risk)
+    order = np.argsort(at_risk, kind="stable")
+    stale = np.cumsum(at_risk[order]) <= tolerance
+    return np.sort(order[~stale])
+
+
 class _Normaliser:
     """log C_d(T_m | current topics) for a fit's documents (:class:`Multicanonical`): the
-    exact table of every rung, recomputed where a rung's exact error bound could move some
-    document's temperature posterior by more than ``mc.tolerance``."""
+    exact table of every rung, recomputed unless its exact error bound can only move a
+    small share of the topic statistics (``mc.tolerance``)."""
 
     def __init__(self, mc: Multicanonical, alpha: float, lengths: np.ndarray):
         self.mc, self.alpha, self.lengths = mc, alpha, lengths
@@ -1142,19 +1165,15 @@ class _Normaliser:
                                                 self.mc.temperatures, expected=False)
         return lda_partition.topic_log_sums(lam, self.mc.temperatures)
 
-    def table(self, lam, rung_mass: np.ndarray | None = None) -> np.ndarray:
-        """(D + 1, M) at the topics ``lam``; ``rung_mass`` (LENGTH_BINS, M): the largest
-        q(y_d = m) lately by length bin (``None``: recompute every rung)."""
+    def table(self, lam, rung_words: np.ndarray | None = None) -> np.ndarray:
+        """(D + 1, M) at the topics ``lam``; ``rung_words`` (LENGTH_BINS, M): a minibatch's
+        sum of q(y_d = m) L_d by length bin, lately (``None``: recompute every rung)."""
         log_b = self._log_b(lam)
         rungs = np.arange(log_b.shape[0])
-        if self.exact is not None and rung_mass is not None:
+        if self.exact is not None and rung_words is not None:
             _, bound = lda_partition.stale_table(self.exact, log_b)
-            longest = np.minimum(2 ** np.arange(1, LENGTH_BINS + 1) - 1, self.max_length)
-            longest[-1] = self.max_length
-            with np.errstate(over="ignore", invalid="ignore"):  # inf * 0: recompute
-                at_risk = np.max(np.asarray(rung_mass, np.float64)
-                                 * np.expm1(2 * bound[longest]), axis=0)
-            rungs = np.flatnonzero(~(at_risk <= self.mc.tolerance))
+            rungs = _rungs_to_refresh(np.asarray(rung_words, np.float64), bound,
+                                      self.max_length, self.mc.tolerance)
         self.exact = lda_partition.exact_table(log_b, self.mc.temperatures, self.alpha,
                                                self.max_length, previous=self.exact,
                                                rungs=rungs)
