@@ -178,9 +178,13 @@ def _dirichlet_factor(inv_t: np.ndarray, alpha: np.ndarray, size: int) -> np.nda
 
 
 def _exact_coefficients(log_f: np.ndarray) -> np.ndarray:
-    """:func:`_log_coefficients` of a float64 NumPy ``log_f``, computed in float64."""
+    """:func:`_log_coefficients` of a float64 NumPy ``log_f``, computed in float64 (the
+    rungs padded to a power of 2, so that subsets of a ladder share compilations)."""
+    m = log_f.shape[0]
+    padded = np.concatenate([log_f, np.repeat(log_f[-1:], (1 << (m - 1).bit_length()) - m,
+                                              axis=0)]) if m else log_f
     with jax.enable_x64(True):
-        return np.asarray(_log_coefficients(jnp.asarray(log_f, jnp.float64)))
+        return np.asarray(_log_coefficients(jnp.asarray(padded, jnp.float64)))[:m]
 
 
 @jax.jit
