@@ -273,7 +273,7 @@ class Multicanonical(NamedTuple):
 
     @classmethod
     def paper(cls, num_temperatures: int = 100, max_temperature: float = 10.0, *,
-              refresh: float = 0.25) -> Multicanonical:
+              refresh: float = 0.25, tolerance: float = 0.01) -> Multicanonical:
         r"""The paper's ladder: geometric temperatures 1..``max_temperature``, uniform
         :math:`\pi`, the conditional exact :math:`\log C_d` (Mandt et al. 2016, section 4)."""
         if int(num_temperatures) != num_temperatures or num_temperatures < 1:
@@ -283,7 +283,8 @@ class Multicanonical(NamedTuple):
             raise ValueError(f"`max_temperature` must be finite and >= 1, got "
                              f"{max_temperature!r}.")
         temps = np.geomspace(1.0, max_temperature, int(num_temperatures))
-        return cls(temps, np.full(temps.size, -math.log(temps.size)), None, refresh)
+        return cls(temps, np.full(temps.size, -math.log(temps.size)), None, refresh,
+                   tolerance=tolerance)
 
 
 #: documents are grouped by length in powers of 2 for the normaliser's refresh rule
