@@ -956,19 +956,23 @@ def _smc_runner(
     settings: Any,
     per_element: bool,
     ladder: bool = False,
+    joint: bool = False,
 ) -> Any:
     """Compiled once per model, selection, budget and argument structure
-    (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route, or with
-    ``ladder`` the ``(init, advance)`` pair of
+    (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route (with
+    ``joint``: the joint SMC over globals and locals, :mod:`numpyro_tempering.joint_smc`), or
+    with ``ladder`` the ``(init, advance)`` pair of
     :func:`~numpyro_tempering.ladder_smc.build_ladder_runner`."""
+    from numpyro_tempering.joint_smc import build_joint_runner
     from numpyro_tempering.ladder_smc import build_ladder_runner
     from numpyro_tempering.tempered_smc import build_runner
 
-    extra = (plate, fallback, global_names, settings, per_element)
+    extra = (plate, fallback, global_names, settings, per_element, joint)
 
     def compiled(tag: str, pick: Callable, options: dict | None) -> Callable:
         def make(marked: Callable, a: tuple, k: dict) -> Callable:
-            build = build_ladder_runner if ladder else build_runner
+            build = (build_ladder_runner if ladder
+                     else build_joint_runner if joint else build_runner)
             return pick(build(marked, a, k, plate, fallback, global_names, settings,
                               per_element))
 
@@ -1141,6 +1145,7 @@ def _smc_estimate(
     fallback: Fallback,
     progress_bar: bool = False,
     ladder: bool = False,
+    joint: bool = False,
 ) -> LogPartitionEstimate:
     from numpyro_tempering.tempered_smc import combine, missed_mass
 
@@ -1159,7 +1164,8 @@ def _smc_estimate(
             lambda v: np.take(v, back, axis=0 if np.ndim(v) == 1 else 1), out
         )
     else:
-        out = _run_in_chunks(_smc_runner(*runner_args), rng_key, temps, progress_bar)
+        out = _run_in_chunks(_smc_runner(*runner_args, joint=joint), rng_key, temps,
+                             progress_bar)
         behind = np.asarray(out.num_stages)
     one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
     reps = np.where(one[None, :], 0.0, np.asarray(out.log_z, np.float64))
@@ -1200,7 +1206,7 @@ def _smc_estimate(
         tempering_param=np.where(one, 1.0, np.asarray(out.tempering_param).min(0)),
         prior_log_c=prior_log_c,
         missed_mass=missed,
-        route="ladder" if ladder else "per-temperature",
+        route="ladder" if ladder else "joint" if joint else "per-temperature",
     )
 
 
@@ -1384,13 +1390,19 @@ def log_partition(
     if discrete:
         _warn_fallback(f"discrete global site(s) {list(discrete)}")
         return prior()
-    if locals_matter():
-        _warn_fallback(
-            f"local latent site(s) {list(structure.local_latents)} change the per-element "
-            "contributions; an SMC over the globals would need an unbiased inner estimate "
-            "(pseudo-marginal), which is not implemented"
-        )
-        return prior()
+    joint = locals_matter()
+    if joint:
+        from numpyro_tempering.joint_smc import unsupported
+
+        reason = unsupported(marked, args, kwargs, plate, global_names,
+                             _subsampled_plates(marked, args, kwargs))
+        if reason is not None:
+            _warn_fallback(
+                f"local latent site(s) {list(structure.local_latents)} change the per-element "
+                "contributions, and the joint SMC over globals and locals "
+                f"(numpyro_tempering.joint_smc) cannot serve them: {reason}"
+            )
+            return prior()
     probe, _, constant = _prior_estimate(
         random.fold_in(rng_key, 2),
         model,
@@ -1402,7 +1414,7 @@ def log_partition(
         num_samples=16,
         **prior_kwargs,
     )
-    if constant:
+    if constant and not joint:
         return probe  # the contributions do not depend on the globals: exact
     subsampled = _subsampled_plates(marked, args, kwargs)
     if subsampled:
@@ -1429,9 +1441,18 @@ def log_partition(
     ladder = route == "ladder" or (
         route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS
     )
+    if joint and route == "ladder":
+        warnings.warn(
+            "log_partition: route='ladder' walks the globals only; the local latent site(s) "
+            f"{list(structure.local_latents)} change the per-element contributions, so every "
+            "temperature runs its own joint SMC over globals and locals instead.",
+            UserWarning,
+            stacklevel=2,
+        )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,
-        kwargs, global_names, settings, plate, fallback, progress_bar, ladder,
+        kwargs, global_names, settings, plate, fallback, progress_bar, ladder and not joint,
+        joint,
     )
     _warn_untrusted_smc(est, settings.max_stages)
     return est
