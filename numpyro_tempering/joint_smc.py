@@ -123,12 +123,12 @@ def _layout(tr: dict, plate: str, global_names: tuple[str, ...]) -> _Layout | st
         fn = site["fn"]
         if fn.support.is_discrete:
             return f"discrete local latent site '{name}' ({type(fn).__name__})"
-        v = biject_to(fn.support).inv(site["value"])
+        shape = tuple(biject_to(fn.support).inverse_shape(jnp.shape(site["value"])))
         frame = next(f for f in site["cond_indep_stack"] if f.name == plate)
         axis = len(fn.batch_shape) + frame.dim
-        if not 0 <= axis < jnp.ndim(v) or jnp.shape(v)[axis] != num:
+        if not 0 <= axis < len(shape) or shape[axis] != num:
             return f"local latent site '{name}': no axis of size {num} for plate '{plate}'"
-        out.append(_Local(name, tuple(jnp.shape(v)), axis, math.prod(jnp.shape(v)) // num))
+        out.append(_Local(name, shape, axis, math.prod(shape) // num))
     return _Layout(tuple(out), num, sum(loc.size for loc in out))
 
 

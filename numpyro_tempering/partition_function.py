@@ -17,11 +17,19 @@ the evidence of a model with prior :math:`p(\beta)` (the globals) and log-likeli
 :math:`L_T(\beta) = \sum_n \log c_n(\beta, T)` (the closed-form per-element normalisers
 below, given the globals), estimated by blackjax's adaptive tempered SMC with R independent
 replicates (:mod:`numpyro_tempering.tempered_smc`, which says why blackjax's SMC and not our
-own). It falls back to ``method="prior"`` with a warning for discrete globals and for local
-latents that change the contributions, and returns the exact value when the contributions
-do not depend on the globals. ``method="prior"`` is plain Monte Carlo over the globals drawn
-from the prior, described in the rest of this docstring; the per-element contributions
-:math:`\log c_n` are computed by the same code for both. The prior estimator:
+own). When **continuous local latents** (inside ``plate``) change the contributions, the
+SMC runs over the globals *and* the locals jointly (:mod:`numpyro_tempering.joint_smc`,
+``route="joint"``): the target is :math:`p(\beta)\prod_n \tilde p(z_n\mid\beta)
+e^{a_n(\beta, z_n, T)}` (a tempered latent local as its unnormalised
+:math:`p^{1/T}`), whose evidence is :math:`C(T)` (supplement eq. 1), and tempered SMC's
+evidence estimate is unbiased for it (Del Moral 2004; Chopin and Papaspiliopoulos 2020) --
+unlike the nested average of eq. 7, whose log is low by many nats at realistic N. It falls
+back to ``method="prior"`` with a warning naming the reason for discrete globals, discrete
+locals, ``plate=None`` with locals that matter, and subsampled plates, and returns the exact
+value when the contributions do not depend on the globals. ``method="prior"`` is plain
+Monte Carlo over the globals drawn from the prior, described in the rest of this docstring;
+the per-element contributions :math:`\log c_n` are computed by the same code for all.
+The prior estimator:
 
 * **Which factors are tempered**: the sites a :class:`~numpyro_tempering.temper` handler
   selects (``sites`` / ``latent`` / ``exclude``, default: every observed site). The model is
@@ -736,8 +744,9 @@ class LogPartitionEstimate(NamedTuple):
         missed_mass: ``(M,)`` where that check says the SMC missed mass (flagged, and
             ``stderr`` raised to at least the shortfall).
         route: ``"ladder"`` (one SMC run along the whole ladder,
-            :mod:`numpyro_tempering.ladder_smc`) or ``"per-temperature"`` (one SMC per
-            temperature) for ``"smc"``; ``None`` otherwise.
+            :mod:`numpyro_tempering.ladder_smc`), ``"per-temperature"`` (one SMC per
+            temperature) or ``"joint"`` (one SMC per temperature over globals and locals,
+            :mod:`numpyro_tempering.joint_smc`) for ``"smc"``; ``None`` otherwise.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -1263,10 +1272,13 @@ def log_partition(
     Before it, a plain Monte Carlo probe (16 prior draws) checks :math:`\log Z(1) = 0` for
     every tempered site, and when the contributions are the same for every draw of the
     globals (they do not depend on them) its exact value is returned instead (``method``
-    ``"prior"``, ``stderr`` 0). Models the SMC cannot handle -- discrete globals,
-    subsampled plates, or local latents that change the contributions (their inner average
-    would need a pseudo-marginal SMC) -- fall back to ``method="prior"`` with a
-    ``UserWarning``; a model without globals uses it directly (no outer integral).
+    ``"prior"``, ``stderr`` 0). Continuous local latents that change the contributions
+    are integrated by one SMC over globals and locals jointly
+    (:mod:`numpyro_tempering.joint_smc`, ``route="joint"``, one run per temperature, also
+    when ``route="ladder"`` is asked for, with a warning). Models the SMC cannot handle --
+    discrete globals, discrete locals, locals with ``plate=None``, subsampled plates -- fall
+    back to ``method="prior"`` with a ``UserWarning`` naming the sites or the reason; a model
+    without globals uses it directly (no outer integral).
 
     **Routes** (``"smc"``): with ``route="auto"`` a ladder of ``LADDER_MIN_RUNGS`` (8) or
     more temperatures, all >= 1, is walked in **one sequential run** per replicate
