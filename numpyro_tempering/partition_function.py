@@ -17,11 +17,19 @@ the evidence of a model with prior :math:`p(\beta)` (the globals) and log-likeli
 :math:`L_T(\beta) = \sum_n \log c_n(\beta, T)` (the closed-form per-element normalisers
 below, given the globals), estimated by blackjax's adaptive tempered SMC with R independent
 replicates (:mod:`numpyro_tempering.tempered_smc`, which says why blackjax's SMC and not our
-own). It falls back to ``method="prior"`` with a warning for discrete globals and for local
-latents that change the contributions, and returns the exact value when the contributions
-do not depend on the globals. ``method="prior"`` is plain Monte Carlo over the globals drawn
-from the prior, described in the rest of this docstring; the per-element contributions
-:math:`\log c_n` are computed by the same code for both. The prior estimator:
+own). When **continuous local latents** (inside ``plate``) change the contributions, the
+SMC runs over the globals *and* the locals jointly (:mod:`numpyro_tempering.joint_smc`,
+``route="joint"``): the target is :math:`p(\beta)\prod_n \tilde p(z_n\mid\beta)
+e^{a_n(\beta, z_n, T)}` (a tempered latent local as its unnormalised
+:math:`p^{1/T}`), whose evidence is :math:`C(T)` (supplement eq. 1), and tempered SMC's
+evidence estimate is unbiased for it (Del Moral 2004; Chopin and Papaspiliopoulos 2020) --
+unlike the nested average of eq. 7, whose log is low by many nats at realistic N. It falls
+back to ``method="prior"`` with a warning naming the reason for discrete globals, discrete
+locals, ``plate=None`` with locals that matter, and subsampled plates, and returns the exact
+value when the contributions do not depend on the globals. ``method="prior"`` is plain
+Monte Carlo over the globals drawn from the prior, described in the rest of this docstring;
+the per-element contributions :math:`\log c_n` are computed by the same code for all.
+The prior estimator:
 
 * **Which factors are tempered**: the sites a :class:`~numpyro_tempering.temper` handler
   selects (``sites`` / ``latent`` / ``exclude``, default: every observed site). The model is
@@ -736,8 +744,9 @@ class LogPartitionEstimate(NamedTuple):
         missed_mass: ``(M,)`` where that check says the SMC missed mass (flagged, and
             ``stderr`` raised to at least the shortfall).
         route: ``"ladder"`` (one SMC run along the whole ladder,
-            :mod:`numpyro_tempering.ladder_smc`) or ``"per-temperature"`` (one SMC per
-            temperature) for ``"smc"``; ``None`` otherwise.
+            :mod:`numpyro_tempering.ladder_smc`), ``"per-temperature"`` (one SMC per
+            temperature) or ``"joint"`` (one SMC per temperature over globals and locals,
+            :mod:`numpyro_tempering.joint_smc`) for ``"smc"``; ``None`` otherwise.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -956,19 +965,23 @@ def _smc_runner(
     settings: Any,
     per_element: bool,
     ladder: bool = False,
+    joint: bool = False,
 ) -> Any:
     """Compiled once per model, selection, budget and argument structure
-    (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route, or with
-    ``ladder`` the ``(init, advance)`` pair of
+    (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route (with
+    ``joint``: the joint SMC over globals and locals, :mod:`numpyro_tempering.joint_smc`), or
+    with ``ladder`` the ``(init, advance)`` pair of
     :func:`~numpyro_tempering.ladder_smc.build_ladder_runner`."""
+    from numpyro_tempering.joint_smc import build_joint_runner
     from numpyro_tempering.ladder_smc import build_ladder_runner
     from numpyro_tempering.tempered_smc import build_runner
 
-    extra = (plate, fallback, global_names, settings, per_element)
+    extra = (plate, fallback, global_names, settings, per_element, joint)
 
     def compiled(tag: str, pick: Callable, options: dict | None) -> Callable:
         def make(marked: Callable, a: tuple, k: dict) -> Callable:
-            build = build_ladder_runner if ladder else build_runner
+            build = (build_ladder_runner if ladder
+                     else build_joint_runner if joint else build_runner)
             return pick(build(marked, a, k, plate, fallback, global_names, settings,
                               per_element))
 
@@ -1141,6 +1154,7 @@ def _smc_estimate(
     fallback: Fallback,
     progress_bar: bool = False,
     ladder: bool = False,
+    joint: bool = False,
 ) -> LogPartitionEstimate:
     from numpyro_tempering.tempered_smc import combine, missed_mass
 
@@ -1159,7 +1173,8 @@ def _smc_estimate(
             lambda v: np.take(v, back, axis=0 if np.ndim(v) == 1 else 1), out
         )
     else:
-        out = _run_in_chunks(_smc_runner(*runner_args), rng_key, temps, progress_bar)
+        out = _run_in_chunks(_smc_runner(*runner_args, joint=joint), rng_key, temps,
+                             progress_bar)
         behind = np.asarray(out.num_stages)
     one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
     reps = np.where(one[None, :], 0.0, np.asarray(out.log_z, np.float64))
@@ -1200,7 +1215,7 @@ def _smc_estimate(
         tempering_param=np.where(one, 1.0, np.asarray(out.tempering_param).min(0)),
         prior_log_c=prior_log_c,
         missed_mass=missed,
-        route="ladder" if ladder else "per-temperature",
+        route="ladder" if ladder else "joint" if joint else "per-temperature",
     )
 
 
@@ -1257,10 +1272,13 @@ def log_partition(
     Before it, a plain Monte Carlo probe (16 prior draws) checks :math:`\log Z(1) = 0` for
     every tempered site, and when the contributions are the same for every draw of the
     globals (they do not depend on them) its exact value is returned instead (``method``
-    ``"prior"``, ``stderr`` 0). Models the SMC cannot handle -- discrete globals,
-    subsampled plates, or local latents that change the contributions (their inner average
-    would need a pseudo-marginal SMC) -- fall back to ``method="prior"`` with a
-    ``UserWarning``; a model without globals uses it directly (no outer integral).
+    ``"prior"``, ``stderr`` 0). Continuous local latents that change the contributions
+    are integrated by one SMC over globals and locals jointly
+    (:mod:`numpyro_tempering.joint_smc`, ``route="joint"``, one run per temperature, also
+    when ``route="ladder"`` is asked for, with a warning). Models the SMC cannot handle --
+    discrete globals, discrete locals, locals with ``plate=None``, subsampled plates -- fall
+    back to ``method="prior"`` with a ``UserWarning`` naming the sites or the reason; a model
+    without globals uses it directly (no outer integral).
 
     **Routes** (``"smc"``): with ``route="auto"`` a ladder of ``LADDER_MIN_RUNGS`` (8) or
     more temperatures, all >= 1, is walked in **one sequential run** per replicate
@@ -1384,13 +1402,19 @@ def log_partition(
     if discrete:
         _warn_fallback(f"discrete global site(s) {list(discrete)}")
         return prior()
-    if locals_matter():
-        _warn_fallback(
-            f"local latent site(s) {list(structure.local_latents)} change the per-element "
-            "contributions; an SMC over the globals would need an unbiased inner estimate "
-            "(pseudo-marginal), which is not implemented"
-        )
-        return prior()
+    joint = locals_matter()
+    if joint:
+        from numpyro_tempering.joint_smc import unsupported
+
+        reason = unsupported(marked, args, kwargs, plate, global_names,
+                             _subsampled_plates(marked, args, kwargs))
+        if reason is not None:
+            _warn_fallback(
+                f"local latent site(s) {list(structure.local_latents)} change the per-element "
+                "contributions, and the joint SMC over globals and locals "
+                f"(numpyro_tempering.joint_smc) cannot serve them: {reason}"
+            )
+            return prior()
     probe, _, constant = _prior_estimate(
         random.fold_in(rng_key, 2),
         model,
@@ -1402,7 +1426,7 @@ def log_partition(
         num_samples=16,
         **prior_kwargs,
     )
-    if constant:
+    if constant and not joint:
         return probe  # the contributions do not depend on the globals: exact
     subsampled = _subsampled_plates(marked, args, kwargs)
     if subsampled:
@@ -1429,9 +1453,18 @@ def log_partition(
     ladder = route == "ladder" or (
         route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS
     )
+    if joint and route == "ladder":
+        warnings.warn(
+            "log_partition: route='ladder' walks the globals only; the local latent site(s) "
+            f"{list(structure.local_latents)} change the per-element contributions, so every "
+            "temperature runs its own joint SMC over globals and locals instead.",
+            UserWarning,
+            stacklevel=2,
+        )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,
-        kwargs, global_names, settings, plate, fallback, progress_bar, ladder,
+        kwargs, global_names, settings, plate, fallback, progress_bar, ladder and not joint,
+        joint,
     )
     _warn_untrusted_smc(est, settings.max_stages)
     return est

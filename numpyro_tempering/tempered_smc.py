@@ -519,29 +519,44 @@ def _smc(
         # q = alpha p + (1 - alpha)/K sum_k N(mode_k, (R_k R_k^T)^{-1}); a Laplace draw is
         # u = mode_k + R_k^{-T} eps, and log N_k needs R_k^T (u - mode_k) only, a matrix
         # product (no triangular solve inside the loop; see _cholesky)
+        # the Laplace components cover the first `dim` coordinates; any further coordinates
+        # (the standardised locals of numpyro_tempering.joint_smc) are N(0, I) in every
+        # component, and target.log_prior includes their N(0, I) density
         modes, precs = reference
         n_starts, dim = modes.shape
         alpha = settings.prior_weight
-        key_eps, key_comp, key_pick, key_prior = random.split(key_init, 4)
+        key_eps, key_comp, key_pick, key_prior, key_extra = random.split(key_init, 5)
         eps = random.normal(key_eps, (num, dim), modes.dtype)
         comp = random.randint(key_comp, (num,), 0, n_starts)
         laplace = jax.vmap(lambda c, e: modes[c] + _solve_upper(precs[c].T, e))(comp, eps)
         from_prior = random.uniform(key_pick, (num,)) < alpha
         prior_draws = jax.vmap(target.init)(random.split(key_prior, num))
+        num_extra = prior_draws.shape[-1] - dim
+        ref_dim = dim  # (`dim` is rebound to the particles' dimension below)
+        if num_extra:
+            extra = random.normal(key_extra, (num, num_extra), modes.dtype)
+            laplace = jnp.concatenate([laplace, extra], axis=-1)
         particles = jnp.where(from_prior[:, None], prior_draws, laplace)
         log_dets = jnp.sum(jnp.log(jax.vmap(jnp.diag)(precs)), -1)  # (K,)
         log_2pi = 0.5 * dim * math.log(2 * math.pi)
         log_w_laplace = math.log1p(-alpha) - math.log(n_starts) if alpha < 1 else -jnp.inf
+        dtype = modes.dtype
         # a bound on the HMC inverse mass matrix: the widest Laplace component's variances
         # (the particle cloud's variance spans the gaps between modes: too wide to move in)
         eye = jnp.eye(dim, dtype=modes.dtype)
         inv = jax.vmap(lambda r: jax.vmap(lambda e: _solve_lower(r, e))(eye))(precs)
         local_var = jnp.max(jnp.sum(inv**2, axis=-1), axis=0) / REFERENCE_INFLATION**2
         local_var = jnp.where(jnp.isfinite(local_var), local_var, jnp.inf)
+        if num_extra:
+            local_var = jnp.concatenate([local_var, jnp.full(num_extra, jnp.inf, dtype=dtype)])
 
         def log_ref(u: jax.Array) -> jax.Array:
-            z = jnp.einsum("kd,kde->ke", u - modes, precs)
+            z = jnp.einsum("kd,kde->ke", u[:ref_dim] - modes, precs)
             log_n = -0.5 * jnp.sum(z**2, -1) + log_dets - log_2pi + log_w_laplace
+            if num_extra:
+                log_n = log_n - 0.5 * jnp.sum(u[ref_dim:] ** 2) - 0.5 * num_extra * math.log(
+                    2 * math.pi
+                )
             if alpha > 0:
                 log_n = jnp.append(log_n, math.log(alpha) + target.log_prior(u))
             return logsumexp(log_n)

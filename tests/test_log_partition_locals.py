@@ -1,0 +1,179 @@
+"""log C(T) for models with continuous local latents that change the per-element
+contributions: the joint SMC over globals and locals (numpyro_tempering.joint_smc) against
+closed forms, the nested fallback it replaces, and the refusals that keep the fallback."""
+
+import math
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+from numpy.polynomial.hermite_e import hermegauss
+from scipy.stats import halfnorm
+
+from numpyro_tempering.partition import tempered
+from numpyro_tempering.partition_function import log_partition
+
+KEY = jax.random.PRNGKey(0)
+TEMPS = jnp.array([1.0, 1.5, 3.0, 10.0])
+TAU, S = 0.1, 0.5  # prior sd of the global, sd of the local around it
+N = 500
+
+
+def normal_local(x):
+    """beta ~ N(0, TAU); z_n ~ N(beta, S) (untempered local); x_n ~ N(0, exp(z_n)) tempered."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, TAU))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Normal(beta, S))
+        numpyro.sample("x", dist.Normal(0.0, jnp.exp(z)), obs=x)
+
+
+def lognormal_local(x):
+    """The same with a positive local scale sigma_n = exp(z_n) ~ LogNormal(beta, S): the SMC
+    state is log sigma_n, with the bijection's log-Jacobian in the target."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, TAU))
+    with numpyro.plate("data", x.shape[0]):
+        sigma = numpyro.sample("sigma", dist.LogNormal(beta, S))
+        numpyro.sample("x", dist.Normal(0.0, sigma), obs=x)
+
+
+def exact_log_c(temps, num):
+    r"""log c_n = (1 - 1/T)/2 log(2 pi) + (1 - 1/T) z_n + 1/2 log T, and
+    sum_n z_n ~ N(0, N^2 TAU^2 + N S^2): log C = N [...] + c^2 (N^2 TAU^2 + N S^2) / 2."""
+    t = np.asarray(temps, np.float64)
+    c = 1.0 - 1.0 / t
+    return num * (0.5 * c * math.log(2 * math.pi) + 0.5 * np.log(t)) + 0.5 * c**2 * (
+        num**2 * TAU**2 + num * S**2
+    )
+
+
+def check_contract(est, exact):
+    """The accuracy contract: |err| <= 0.1, <= 3 se + 0.02, se <= 0.1, nothing flagged."""
+    err = np.abs(np.asarray(est.log_c, np.float64) - exact)
+    se = np.asarray(est.stderr, np.float64)
+    assert np.all(err <= 0.1), (err, se)
+    assert np.all(err <= 3 * se + 0.02), (err, se)
+    assert np.all(se <= 0.1), se
+    assert not np.any(est.flagged), est.flagged
+
+
+@pytest.fixture(scope="module")
+def normal_estimate():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback, no untrusted warning
+        start = time.perf_counter()
+        est = log_partition(KEY, normal_local, TEMPS, jnp.zeros(N), plate="data",
+                            progress_bar=False)
+        return est, time.perf_counter() - start
+
+
+def test_normal_local_meets_the_contract(normal_estimate):
+    est, seconds = normal_estimate
+    assert est.method == "smc" and est.route == "joint"
+    check_contract(est, exact_log_c(TEMPS, N))
+    assert seconds < 90.0
+
+
+def test_log_c_one_is_zero(normal_estimate):
+    est, _ = normal_estimate
+    assert float(est.log_c[0]) == 0.0 and float(est.stderr[0]) == 0.0
+
+
+def test_per_element_values_add_up(normal_estimate):
+    est, _ = normal_estimate
+    assert est.element_log_c.shape == (TEMPS.shape[0], N)
+    np.testing.assert_allclose(np.sum(est.element_log_c, -1), est.log_c, rtol=1e-5, atol=1e-3)
+
+
+def test_other_data_reuse_the_compiled_run_and_agree(normal_estimate):
+    """Another key (same shapes: cached compilation) is again within the contract."""
+    start = time.perf_counter()
+    est = log_partition(jax.random.PRNGKey(1), normal_local, TEMPS, jnp.ones(N),
+                        plate="data", progress_bar=False)
+    check_contract(est, exact_log_c(TEMPS, N))
+    assert time.perf_counter() - start < 0.5 * 90.0
+
+
+def test_nested_fallback_is_badly_off_here():
+    """Why the route exists: the nested Monte Carlo of supplement eq. 7 is low by nats."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        est = log_partition(KEY, normal_local, TEMPS[2:3], jnp.zeros(N), plate="data",
+                            method="prior", num_samples=100)
+    assert float(est.log_c[0]) < exact_log_c(TEMPS[2:3], N)[0] - 10.0
+
+
+def test_positive_local_through_its_bijection():
+    est = log_partition(KEY, lognormal_local, TEMPS[1:], jnp.zeros(200), plate="data",
+                        progress_bar=False)
+    assert est.route == "joint"
+    check_contract(est, exact_log_c(TEMPS[1:], 200))
+
+
+def poisson_log_link(x):
+    """The issue's model: 4 points, a global scale, an untempered continuous local and a
+    Poisson likelihood with a log link (it once hung for more than 6.5 minutes)."""
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        eta = numpyro.sample("eta", dist.Normal(0.0, s))
+        numpyro.sample("x", dist.Poisson(jnp.exp(eta)), obs=x)
+
+
+def poisson_reference(temp: float) -> float:
+    """Brute force: Gauss-Hermite over eta given s (80 nodes), trapezoid over s."""
+    grid = np.linspace(1e-4, 8.0, 4001)
+    nodes, weights = hermegauss(80)
+    weights = weights / math.sqrt(2 * math.pi)
+    eta = jnp.asarray(grid[:, None] * nodes[None, :], jnp.float32)
+    log_z = np.asarray(tempered(dist.Poisson(jnp.exp(eta)), temp)[0], np.float64)
+    per_point = (np.exp(log_z) * weights).sum(1)
+    return float(np.log(np.trapezoid(halfnorm.pdf(grid) * per_point**4, grid)))
+
+
+@pytest.mark.skip(
+    reason="does not return in time yet: under the joint SMC's HMC moves a divergent "
+    "leapfrog step sends a local eta far out, and the Poisson normaliser's series "
+    "(O(rate) terms, capped at 2**22) then runs for every vectorised particle in lock step "
+    "(> 250 s measured); left for the next step of issue 20, scope 5"
+)
+def test_poisson_log_link_returns_in_time_and_is_right():
+    start = time.perf_counter()
+    est = log_partition(KEY, poisson_log_link, TEMPS, jnp.zeros(4), plate="data",
+                        progress_bar=False)
+    assert time.perf_counter() - start < 90.0
+    assert est.route == "joint"
+    check_contract(est, np.array([poisson_reference(float(t)) for t in TEMPS]))
+
+
+def discrete_local(x):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Bernoulli(0.5))
+        numpyro.sample("x", dist.Normal(beta, 1.0 + z), obs=x)
+
+
+def test_discrete_local_falls_back_naming_the_site():
+    with pytest.warns(UserWarning, match=r"discrete local latent site 'z'") as record:
+        est = log_partition(KEY, discrete_local, TEMPS[1:2], jnp.zeros(5), plate="data",
+                            progress_bar=False, num_samples=16)
+    assert est.method == "prior"
+    assert any("falling back to method='prior'" in str(w.message) for w in record)
+
+
+def test_plate_none_falls_back():
+    with pytest.warns(UserWarning, match=r"plate=None"):
+        est = log_partition(KEY, normal_local, TEMPS[1:2], jnp.zeros(5), latent="z",
+                            progress_bar=False, num_samples=16)
+    assert est.method == "prior"
+
+
+def test_ladder_route_runs_the_joint_smc_per_temperature():
+    with pytest.warns(UserWarning, match=r"route='ladder' walks the globals only"):
+        est = log_partition(KEY, lognormal_local, TEMPS[1:], jnp.zeros(200), plate="data",
+                            progress_bar=False, route="ladder")
+    assert est.route == "joint"
+    check_contract(est, exact_log_c(TEMPS[1:], 200))
