@@ -67,7 +67,7 @@ def normal_estimate():
         warnings.simplefilter("error")  # no fallback, no untrusted warning
         start = time.perf_counter()
         est = log_partition(KEY, normal_local, TEMPS, jnp.zeros(N), plate="data",
-                            progress_bar=False)
+                            progress_bar=False, route="joint")
         return est, time.perf_counter() - start
 
 
@@ -93,7 +93,7 @@ def test_other_data_reuse_the_compiled_run_and_agree(normal_estimate):
     """Another key (same shapes: cached compilation) is again within the contract."""
     start = time.perf_counter()
     est = log_partition(jax.random.PRNGKey(1), normal_local, TEMPS, jnp.ones(N),
-                        plate="data", progress_bar=False)
+                        plate="data", progress_bar=False, route="joint")
     check_contract(est, exact_log_c(TEMPS, N))
     assert time.perf_counter() - start < 0.5 * 90.0
 
@@ -109,7 +109,7 @@ def test_nested_fallback_is_badly_off_here():
 
 def test_positive_local_through_its_bijection():
     est = log_partition(KEY, lognormal_local, TEMPS[1:], jnp.zeros(200), plate="data",
-                        progress_bar=False)
+                        progress_bar=False, route="joint")
     assert est.route == "joint"
     check_contract(est, exact_log_c(TEMPS[1:], 200))
 
@@ -143,7 +143,7 @@ def poisson_reference(temp: float) -> float:
 def test_poisson_log_link_returns_in_time_and_is_right():
     start = time.perf_counter()
     est = log_partition(KEY, poisson_log_link, TEMPS, jnp.zeros(4), plate="data",
-                        progress_bar=False)
+                        progress_bar=False, route="joint")
     assert time.perf_counter() - start < 90.0
     assert est.route == "joint"
     check_contract(est, np.array([poisson_reference(float(t)) for t in TEMPS]))
@@ -159,7 +159,7 @@ def discrete_local(x):
 def test_discrete_local_falls_back_naming_the_site():
     with pytest.warns(UserWarning, match=r"discrete local latent site 'z'") as record:
         est = log_partition(KEY, discrete_local, TEMPS[1:2], jnp.zeros(5), plate="data",
-                            progress_bar=False, num_samples=16)
+                            progress_bar=False, num_samples=16, route="joint")
     assert est.method == "prior"
     assert any("falling back to method='prior'" in str(w.message) for w in record)
 
@@ -167,13 +167,25 @@ def test_discrete_local_falls_back_naming_the_site():
 def test_plate_none_falls_back():
     with pytest.warns(UserWarning, match=r"plate=None"):
         est = log_partition(KEY, normal_local, TEMPS[1:2], jnp.zeros(5), latent="z",
-                            progress_bar=False, num_samples=16)
+                            progress_bar=False, num_samples=16, route="joint")
     assert est.method == "prior"
 
 
-def test_ladder_route_runs_the_joint_smc_per_temperature():
-    with pytest.warns(UserWarning, match=r"route='ladder' walks the globals only"):
-        est = log_partition(KEY, lognormal_local, TEMPS[1:], jnp.zeros(200), plate="data",
-                            progress_bar=False, route="ladder")
-    assert est.route == "joint"
-    check_contract(est, exact_log_c(TEMPS[1:], 200))
+def test_without_route_joint_locals_fall_back_with_a_warning_naming_it():
+    """The joint route is opt-in: by default (and with route='ladder') a model whose
+    continuous locals matter gets the nested Monte Carlo, and the warning names the sites
+    and route='joint'; route='joint' on a model without such locals is refused."""
+    for route in ("auto", "ladder"):
+        with pytest.warns(UserWarning, match=r"\['z'\].*route='joint'"):
+            est = log_partition(KEY, normal_local, TEMPS[1:2], jnp.zeros(5), plate="data",
+                                progress_bar=False, num_samples=16, route=route)
+        assert est.method == "prior"
+    with pytest.raises(ValueError, match="route.*joint.*has none"):
+        log_partition(KEY, no_local, TEMPS[1:2], jnp.zeros(5), plate="data",
+                      progress_bar=False, route="joint")
+
+
+def no_local(x):
+    beta = numpyro.sample("beta", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(beta, 1.0), obs=x)
