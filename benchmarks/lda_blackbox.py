@@ -85,7 +85,8 @@ def convergence(args, train, observed, heldout) -> dict:
     seconds: dict[str, list] = {"conjugate": []}
     for seed in range(args.seeds):
         res = lda_svi.fit(train, args.topics, passes=args.conjugate_passes,
-                          batch_size=args.batch_size, seed=seed, **lda_svi.SKLEARN)
+                          batch_size=args.batch_size, seed=seed,
+                          tau=lda_svi.SKLEARN["tau"], kappa=lda_svi.SKLEARN["kappa"])
         s = lda_svi.heldout_log_likelihood(res.lam, observed, heldout)
         scores["conjugate"].append([s])
         seconds["conjugate"].append(res.seconds / res.num_steps)
