@@ -51,12 +51,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--checkpoints", default="2,4,8", help="passes at which to score")
     parser.add_argument("--conjugate-passes", type=float, default=2)
-    parser.add_argument("--guides", default="dirichlet,logistic_normal,amortised")
+    parser.add_argument("--guides", default="local,dirichlet,logistic_normal,amortised")
     parser.add_argument("--lrs", default="default",
                         help="comma-separated Adam step sizes; 'default' = fit's default")
     parser.add_argument("--fit-options", default="{}", help="JSON dict for lda_blackbox.fit")
     parser.add_argument("--repeats", type=int, default=7, help="timing blocks")
     parser.add_argument("--calls", type=int, default=10, help="calls per timing block")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="updates before the step is timed (default: 2 passes)")
     parser.add_argument("--skip-convergence", action="store_true")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--json", default=None, help="write the results to this file")
@@ -143,10 +145,13 @@ def _block(fn, calls: int) -> float:
 
 
 def timing(args, train) -> dict:
-    """Per guide: one update / one log density + gradient of the same minibatch, and the
-    topics' reparameterised draw with its implicit gradient / the same baseline."""
+    """Per guide, after ``--warmup`` updates from the initialisation (the topics' draw costs
+    more while most concentrations are near 1): one update / one log density + gradient of
+    the same minibatch; the topics' draw with its implicit gradient at the current topics
+    (ours, and once numpyro's Dirichlet with JAX's element-wise rule) / the same baseline."""
     k, v, b, d = args.topics, train.vocab_size, args.batch_size, train.num_docs
     options = json.loads(args.fit_options)
+    guide_options = {n: options[n] for n in ("hidden", "local_iter") if n in options}
     ids, counts = jnp.asarray(train.ids), jnp.asarray(train.counts)
     mb_ids, mb_counts = ids[:b], counts[:b]
     model_b = lda_blackbox.make_model(k, v)  # the minibatch itself, unsubsampled
@@ -155,7 +160,6 @@ def timing(args, train) -> dict:
               "theta": jnp.asarray(rng.dirichlet(np.ones(k), b))}
     logp_grad = jax.jit(jax.value_and_grad(
         lambda vals: log_density(model_b, (mb_ids, mb_counts), {}, vals)[0]))
-    lam = jnp.asarray(rng.gamma(100.0, 0.01, (k, v)))
     weights = jnp.asarray(rng.normal(size=(k, v)))
 
     def draw(family):
@@ -163,52 +167,61 @@ def timing(args, train) -> dict:
             lambda lam, key: jnp.sum(weights * family(lam).rsample(key))))
 
     draw_grad, stock_grad = draw(lda_blackbox.ImplicitDirichlet), draw(dist.Dirichlet)
+    local = jax.jit(lambda lam: lda_blackbox.local_gamma(
+        lam, mb_ids, mb_counts, 1.0 / k, options.get("local_iter", 30)))
     key = jax.random.PRNGKey(0)
+    warmup = args.warmup if args.warmup is not None else 2 * math.ceil(d / b)
     rows = {}
     print(f"\nstep time, minibatch of {b} documents (padded width {train.ids.shape[1]}), "
-          f"K = {k}, V = {v}; median of {args.repeats} blocks of {args.calls} calls")
-    print(f"{'guide':<18} {'update ms':>9} {'logp+grad ms':>12} {'ratio':>14} "
-          f"{'draw+grad ms':>12} {'ratio':>14}")
+          f"K = {k}, V = {v}, after {warmup} updates; median of {args.repeats} blocks of "
+          f"{args.calls} calls, +- half the IQR of the per-block ratios")
+    print(f"{'guide':<16} {'update ms':>9} {'logp+grad ms':>12} {'ratio':>14} "
+          f"{'draw+grad ms':>12} {'ratio':>14} {'stock draw ratio':>17}")
+    iqr = lambda x: 0.5 * float(np.subtract(*np.percentile(x, [75, 25])))  # noqa: E731
     for guide in [g.strip() for g in args.guides.split(",") if g.strip()]:
         subsample = None if b >= d else b
         model = lda_blackbox.make_model(k, v, subsample_size=subsample)
-        q = lda_blackbox.make_guide(guide, k, v, subsample_size=subsample)
+        q = lda_blackbox.make_guide(guide, k, v, subsample_size=subsample, **guide_options)
         svi = SVI(model, q, lda_blackbox.default_optimizer(
             options.get("learning_rate", lda_blackbox.DEFAULT_LEARNING_RATE), 100),
             TemperedELBO(options.get("num_particles", 1), temperature=1.0))
         state = jax.jit(svi.init)(key, ids, counts)
         update = jax.jit(svi.update)
+        for _ in range(warmup):
+            state, _ = update(state, ids, counts)
+        lam = svi.get_params(state)["lam"]
         box = {"state": state}
 
         def step(box=box, update=update):
             box["state"], loss = update(box["state"], ids, counts)
             return loss
 
-        t_up, t_lp, t_dr, t_st = [], [], [], []
-        for _ in range(args.repeats):  # interleaved: the load affects all four alike
+        t_up, t_lp, t_dr, t_st, t_lo = [], [], [], [], []
+        for _ in range(args.repeats):  # interleaved: the load affects all of them alike
             t_up.append(_block(step, args.calls))
             t_lp.append(_block(lambda: logp_grad(values), args.calls))
-            t_dr.append(_block(lambda: draw_grad(lam, key), args.calls))
-            if not rows:  # once: the stock rule does not depend on the guide
-                t_st.append(_block(lambda: stock_grad(lam, key), max(1, args.calls // 5)))
-        t_up, t_lp, t_dr = map(np.asarray, (t_up, t_lp, t_dr))
-        r_up, r_dr = t_up / t_lp, t_dr / t_lp
-        iqr = lambda x: 0.5 * float(np.subtract(*np.percentile(x, [75, 25])))  # noqa: E731
-        print(f"{guide:<18} {1e3 * np.median(t_up):9.2f} {1e3 * np.median(t_lp):12.2f} "
+            t_dr.append(_block(lambda lam=lam: draw_grad(lam, key), args.calls))
+            t_st.append(_block(lambda lam=lam: stock_grad(lam, key), 1))
+            if guide == "local":
+                t_lo.append(_block(lambda lam=lam: local(lam), args.calls))
+        t_up, t_lp, t_dr, t_st = map(np.asarray, (t_up, t_lp, t_dr, t_st))
+        r_up, r_dr, r_st = t_up / t_lp, t_dr / t_lp, t_st / t_lp
+        print(f"{guide:<16} {1e3 * np.median(t_up):9.2f} {1e3 * np.median(t_lp):12.2f} "
               f"{np.median(r_up):7.1f} +- {iqr(r_up):4.1f} {1e3 * np.median(t_dr):12.2f} "
-              f"{np.median(r_dr):7.1f} +- {iqr(r_dr):4.1f}", flush=True)
-        if t_st:
-            r_st = np.asarray(t_st) / t_lp
-            print(f"{'':<18} stock Dirichlet draw+grad (element-wise rule): "
-                  f"{1e3 * np.median(t_st):.2f} ms, {np.median(r_st):.1f} +- {iqr(r_st):.1f} "
-                  f"x logp+grad", flush=True)
-            rows["stock_draw"] = {"draw_grad_ms": 1e3 * float(np.median(t_st)),
-                                  "draw_ratio": float(np.median(r_st))}
+              f"{np.median(r_dr):7.1f} +- {iqr(r_dr):4.1f} {np.median(r_st):9.1f} +- "
+              f"{iqr(r_st):5.1f}", flush=True)
         rows[guide] = {"update_ms": 1e3 * float(np.median(t_up)),
                        "logp_grad_ms": 1e3 * float(np.median(t_lp)),
                        "ratio": float(np.median(r_up)), "ratio_half_iqr": iqr(r_up),
                        "draw_grad_ms": 1e3 * float(np.median(t_dr)),
-                       "draw_ratio": float(np.median(r_dr))}
+                       "draw_ratio": float(np.median(r_dr)),
+                       "stock_draw_ratio": float(np.median(r_st))}
+        if t_lo:
+            r_lo = np.asarray(t_lo) / t_lp
+            print(f"{'':<16} of which the local step ({options.get('local_iter', 30)} sweeps): "
+                  f"{1e3 * np.median(t_lo):.2f} ms, {np.median(r_lo):.1f} +- {iqr(r_lo):.1f} "
+                  f"x logp+grad", flush=True)
+            rows[guide]["local_ratio"] = float(np.median(r_lo))
     return rows
 
 

@@ -146,9 +146,10 @@ def _log_gamma_draw(key: jax.Array, alpha: jax.Array) -> jax.Array:
         log_dv = jnp.where(done | ~ok, log_dv, jnp.log(d) + jnp.log(v))
         return key, log_dv, done | ok
 
+    valid = jnp.isfinite(alpha) & (alpha > 0)  # others never accept: NaN, not a hang
     _, log_dv, _ = jax.lax.while_loop(lambda state: ~jnp.all(state[2]), body,
-                                      (key, jnp.zeros_like(alpha),
-                                       jnp.zeros(alpha.shape, bool)))
+                                      (key, jnp.where(valid, 0.0, jnp.nan).astype(dtype),
+                                       ~valid))
     log_u = -random.exponential(key_boost, alpha.shape, dtype)
     return log_dv + jnp.where(boost, log_u / alpha, 0.0)
 
