@@ -229,6 +229,9 @@ def test_log_gamma_draws_have_the_gamma_log_moments(dtype):
             np.abs(np.asarray(log_x.mean(0), np.float64) - np.asarray(digamma(alpha))),
             5 * np.sqrt(var / n))
         np.testing.assert_allclose(np.asarray(log_x.var(0), np.float64), var, rtol=0.06)
+        bad = jax.jit(lda_blackbox._log_gamma_draw)(  # never accepted: NaN, not a hang
+            jax.random.PRNGKey(1), jnp.asarray([jnp.nan, jnp.inf, 0.0, 2.0], dtype))
+        assert np.all(np.isnan(bad[:3])) and np.isfinite(bad[3])
 
 
 def test_default_fit_matches_the_conjugate_route_at_four_times_its_passes():
