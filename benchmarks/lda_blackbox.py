@@ -184,7 +184,7 @@ def timing(args, train) -> dict:
         model = lda_blackbox.make_model(k, v, subsample_size=subsample)
         q = lda_blackbox.make_guide(guide, k, v, subsample_size=subsample, **guide_options)
         svi = SVI(model, q, lda_blackbox.default_optimizer(
-            options.get("learning_rate", lda_blackbox.DEFAULT_LEARNING_RATE), 100),
+            options.get("learning_rate", lda_blackbox.DEFAULT_LEARNING_RATE)),
             TemperedELBO(options.get("num_particles", 1), temperature=1.0))
         state = jax.jit(svi.init)(key, ids, counts)
         update = jax.jit(svi.update)
