@@ -33,8 +33,8 @@ Methods (``--methods``):
   passes and chunks), ``eval_every=None``.
 
 * ``blackbox``: stock NumPyro SVI on collapsed LDA (:mod:`numpyro_tempering.models.
-  lda_blackbox`), Adam, one row per guide in ``--blackbox-guides`` (``dirichlet``,
-  ``logistic_normal``, ``amortised``) and temperature in ``--blackbox-temps`` (``1``:
+  lda_blackbox`), Adam, one row per guide in ``--blackbox-guides`` (``local``,
+  ``dirichlet``, ``logistic_normal``, ``amortised``) and temperature in ``--blackbox-temps`` (``1``:
   TemperedELBO at T = 1 = Trace_ELBO; ``anneal``: the linear schedule of the first
   ``--anneal-passes`` value; ``mvi``: MulticanonicalELBO with a temperature per document),
   at the same passes and minibatch size as the others.
@@ -98,12 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--passes", type=float, default=5)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--methods", default="svi,annealed,mvi,blackbox,sklearn,gensim")
-    parser.add_argument("--blackbox-guides", default="dirichlet,amortised",
-                        help="guides of the black-box route: dirichlet, logistic_normal, "
-                             "amortised")
+    parser.add_argument("--blackbox-guides", default="local,amortised",
+                        help="guides of the black-box route: local, dirichlet, "
+                             "logistic_normal, amortised")
     parser.add_argument("--blackbox-temps", default="1,anneal",
                         help="temperatures of the black-box route: 1, anneal, mvi")
-    parser.add_argument("--blackbox-lr", type=float, default=0.05, help="Adam step size")
+    parser.add_argument("--blackbox-lr", type=float, default=None,
+                        help="Adam step size (default: lda_blackbox.DEFAULT_LEARNING_RATE)")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--rates", choices=("sklearn", "paper"), default="sklearn",
@@ -150,10 +151,10 @@ def ours(train, args, seed, temperature, rates, **options):
 
 
 def blackbox(train, args, seed, guide, temperature):
+    lr = {} if args.blackbox_lr is None else {"learning_rate": args.blackbox_lr}
     res = lda_blackbox.fit(train, args.topics, guide=guide, passes=args.passes,
-                           batch_size=args.batch_size, temperature=temperature,
-                           learning_rate=args.blackbox_lr, seed=seed,
-                           progress_bar=args.progress)
+                           batch_size=args.batch_size, temperature=temperature, seed=seed,
+                           progress_bar=args.progress, **lr)
     if res.num_nonfinite:
         print(f"  {guide}: {res.num_nonfinite} non-finite losses", file=sys.stderr)
     return res.lam, res.seconds, res.compile_seconds, res.docs_per_second, res.temperatures
