@@ -89,6 +89,7 @@ from numpyro_tempering.tempered_smc import (
     _solve_lower,
     _solve_upper,
     _Target,
+    global_log_prior,
 )
 
 __all__ = ["build_joint_runner", "unsupported"]
@@ -241,16 +242,7 @@ def _joint(marked: Callable, args: tuple, kwargs: dict, plate: str, fallback: An
             plate, unflatten(flat), skip,
         )
         run = trace(handler).get_trace(*args, **kwargs)
-        log_p = jnp.zeros((), u.dtype)
-        for name in global_names:
-            for site_name in (name, f"_{name}_log_det"):
-                site = run.get(site_name)
-                if site is None:
-                    continue
-                lp = site["fn"].log_prob(site["value"])
-                if site.get("scale") is not None:
-                    lp = site["scale"] * lp
-                log_p = log_p + jnp.sum(lp)
+        log_p = global_log_prior(run, global_names, u.dtype)
         elements = jnp.zeros((num,), u.dtype)
         rest = jnp.zeros((), u.dtype)
         for site, lp in handler.records:

@@ -357,16 +357,7 @@ def _build_target(
         tr = trace(_unconstrain_params(seed(marked, fixed_key), params)).get_trace(
             *args, **kwargs
         )
-        log_p = jnp.zeros((), u.dtype)
-        for name in global_names:
-            for site_name in (name, f"_{name}_log_det"):
-                site = tr.get(site_name)
-                if site is None:
-                    continue
-                lp = site["fn"].log_prob(site["value"])
-                if site.get("scale") is not None:
-                    lp = site["scale"] * lp
-                log_p = log_p + jnp.sum(lp)
+        log_p = global_log_prior(tr, global_names, u.dtype)
         return log_p, {name: tr[name]["value"] for name in global_names}
 
     def log_prior(u: jax.Array) -> jax.Array:
@@ -631,6 +622,23 @@ def _prior_check(
         return log_mean, jnp.sum(w) ** 2 / jnp.sum(w**2)
 
     return jax.lax.map(prior_check, temps)
+
+
+def global_log_prior(tr: dict, global_names: tuple[str, ...], dtype: Any) -> jax.Array:
+    """The globals' log density in unconstrained space from a trace run under
+    ``_unconstrain_params``: each global's scaled log density plus its bijection's
+    log-Jacobian site ``_<name>_log_det``."""
+    log_p = jnp.zeros((), dtype)
+    for name in global_names:
+        for site_name in (name, f"_{name}_log_det"):
+            site = tr.get(site_name)
+            if site is None:
+                continue
+            lp = site["fn"].log_prob(site["value"])
+            if site.get("scale") is not None:
+                lp = site["scale"] * lp
+            log_p = log_p + jnp.sum(lp)
+    return log_p
 
 
 def build_runner(
