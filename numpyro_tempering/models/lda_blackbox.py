@@ -343,17 +343,13 @@ def local_gamma(
     """
     lam = jax.lax.stop_gradient(jnp.asarray(lam))
     counts = jnp.asarray(counts, lam.dtype)
-    ew = jnp.moveaxis(jnp.take(jnp.exp(lda_svi.expected_log_dirichlet(lam)), jnp.asarray(ids),
-                               axis=1), 0, -1)  # (B, W, K)
-    eps = jnp.finfo(lam.dtype).eps
-
-    def sweep(_, gamma):
-        et = jnp.exp(lda_svi.expected_log_dirichlet(gamma))  # (B, K)
-        norm = jnp.einsum("bwk,bk->bw", ew, et) + eps
-        return alpha + et * jnp.einsum("bwk,bw->bk", ew, counts / norm)
-
-    return jax.lax.fori_loop(0, int(num_iter), sweep,
-                             jnp.ones(counts.shape[:1] + lam.shape[:1], lam.dtype))
+    ew = jnp.exp(lda_svi._gather(lda_svi.expected_log_dirichlet(lam), jnp.asarray(ids)))
+    num_docs = counts.shape[0]
+    sweep = lda_svi._fixed_sweep(jnp.asarray(alpha, lam.dtype), jnp.finfo(lam.dtype).eps)
+    ones, docs = jnp.ones((num_docs,), lam.dtype), jnp.arange(num_docs)  # T = 1, a row each
+    return jax.lax.fori_loop(0, int(num_iter),
+                             lambda _, g: sweep(g, ones, (ew, counts), docs)[0],
+                             jnp.ones((num_docs, lam.shape[0]), lam.dtype))
 
 
 def make_model(
