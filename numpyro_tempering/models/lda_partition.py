@@ -86,6 +86,7 @@ __all__ = [
     "ExactTable",
     "conditional_log_partition",
     "exact_table",
+    "fitted_topic_log_sums",
     "length_log_partition",
     "stale_table",
     "topic_log_sums",
@@ -154,6 +155,27 @@ def topic_log_sums(topics: np.typing.ArrayLike, temperatures: np.typing.ArrayLik
             with np.errstate(divide="ignore"):
                 out = _plugin_topic_log_sums(jnp.asarray(np.log(x)), jnp.asarray(inv_t))
         return np.asarray(out)
+
+
+def fitted_topic_log_sums(lam: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
+                          topics: str = "expected") -> np.ndarray:
+    r""":func:`topic_log_sums` (M, K) of fitted topics :math:`q(\beta) = \mathrm{Dir}(\lambda)`:
+    ``"expected"``, :math:`\log\mathbb E_q[b_k(T)]`; ``"mean"``, :math:`\log b_k(T)` at the
+    posterior mean :math:`\lambda/\sum_v\lambda`.
+
+    Example:
+        >>> lam = np.array([[2.0, 2.0], [1.0, 3.0]])
+        >>> # T = 2: log(2 sqrt(1/2)) and log(sqrt(1/4) + sqrt(3/4))
+        >>> np.round(fitted_topic_log_sums(lam, [1.0, 2.0], "mean")[1], 4).tolist()
+        [0.3466, 0.3119]
+    """
+    if topics == "expected":
+        return topic_log_sums(lam, temperatures)
+    if topics == "mean":
+        lam = np.asarray(lam, np.float64)
+        return topic_log_sums(lam / lam.sum(axis=1, keepdims=True), temperatures,
+                              expected=False)
+    raise ValueError(f"`topics` must be 'expected' or 'mean', got {topics!r}.")
 
 
 def _log_terms(log_b: np.ndarray, inv_t: np.ndarray, alpha: np.ndarray,
@@ -365,14 +387,7 @@ def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.
     lengths = np.asarray(lengths)
     if lengths.ndim != 1 or np.any(lengths < 0) or np.any(lengths != np.round(lengths)):
         raise ValueError("`lengths` must be a 1-D array of integers >= 0 (words per document).")
-    if topics == "expected":
-        log_b = topic_log_sums(lam, temperatures)
-    elif topics == "mean":
-        lam = np.asarray(lam, np.float64)
-        log_b = topic_log_sums(lam / lam.sum(axis=1, keepdims=True), temperatures,
-                               expected=False)
-    else:
-        raise ValueError(f"`topics` must be 'expected' or 'mean', got {topics!r}.")
+    log_b = fitted_topic_log_sums(lam, temperatures, topics)
     max_length = int(lengths.max()) if lengths.size else 0
     table = length_log_partition(log_b, temperatures, alpha, max_length)
     return table[lengths.astype(np.int64)]

@@ -1050,7 +1050,7 @@ def fit(
     normaliser = _Normaliser(temperature, cfg.alpha, lengths) if follow_topics else None
     if schedule is None:
         all_log_c = jnp.asarray(normaliser.table(state.lam) if follow_topics else
-                                _log_c_table(temperature, state.lam, cfg.alpha, lengths), dtype)
+                                temperature.log_c_per_length(lengths), dtype)
         ladder = (jnp.asarray(1.0 / np.asarray(temperature.temperatures, np.float64), dtype),
                   jnp.asarray(temperature.log_weights, dtype),
                   jnp.asarray(1.0 / temperature.anchor_temperatures(), dtype))
@@ -1156,14 +1156,6 @@ def _keep_gamma(gammas, docs, gamma, num_docs):
         gamma.astype(gammas.dtype), mode="drop")
 
 
-def _log_c_table(mc: Multicanonical, lam, alpha: float, lengths: np.ndarray) -> np.ndarray:
-    """(D + 1, M) log C_d(T_m): the ladder's fixed function of length, or the exact
-    normaliser conditional on the current topics (lda_partition)."""
-    if mc.log_c_per_length is not None:
-        return np.asarray(mc.log_c_per_length(lengths))
-    return _Normaliser(mc, alpha, lengths).table(lam)
-
-
 def _rungs_to_refresh(words: np.ndarray, bound: np.ndarray, max_length: int,
                       tolerance: float) -> np.ndarray:
     """The rungs to recompute: all but those with the smallest words at risk
@@ -1196,10 +1188,7 @@ class _Normaliser:
         if not np.all(np.isfinite(lam) & (lam > 0)):
             raise FloatingPointError("log C_d(T | topics) is not finite: the topics' "
                                      "Dirichlet parameters are not finite and > 0.")
-        if self.mc.topics == "mean":
-            return lda_partition.topic_log_sums(lam / lam.sum(axis=1, keepdims=True),
-                                                self.mc.temperatures, expected=False)
-        return lda_partition.topic_log_sums(lam, self.mc.temperatures)
+        return lda_partition.fitted_topic_log_sums(lam, self.mc.temperatures, self.mc.topics)
 
     def table(self, lam, rung_words: np.ndarray | None = None) -> np.ndarray:
         """(D + 1, M) at the topics ``lam``; ``rung_words`` (LENGTH_BINS, M): a minibatch's
