@@ -161,10 +161,11 @@ class _local_density(Messenger):
         self.temperature, self.fallback, self.plate = temperature, fallback, plate
         self.values, self.skip = values, skip
         self.records: list[tuple[dict, jax.Array]] = []
+        self.proposal: jax.Array = jnp.zeros(())  # the locals' untempered log density
         super().__init__(fn)
 
     def __enter__(self):
-        self.records = []
+        self.records, self.proposal = [], jnp.zeros(())
         return super().__enter__()
 
     def process_message(self, msg: dict) -> None:
@@ -180,10 +181,13 @@ class _local_density(Messenger):
             z = t(v)
             msg["value"] = z
             lp = fn.log_prob(z)
+            ldj = t.log_abs_det_jacobian(v, z)
+            ldj = sum_rightmost(ldj, jnp.ndim(ldj) - jnp.ndim(z) + len(fn.event_shape))
+            scale = 1.0 if msg.get("scale") is None else msg["scale"]
+            self.proposal = self.proposal + jnp.sum(scale * (lp + ldj))
             if is_tempered:
                 lp = lp / self.temperature
-            ldj = t.log_abs_det_jacobian(v, z)
-            lp = lp + sum_rightmost(ldj, jnp.ndim(ldj) - jnp.ndim(z) + len(fn.event_shape))
+            lp = lp + ldj
         elif is_tempered:
             try:
                 lp = tempered(fn, self.temperature, fallback=self.fallback)[0]
@@ -202,6 +206,7 @@ class _local_density(Messenger):
 class _Joint(NamedTuple):
     init: Callable  # key -> (u (d_g,), V (N, d)): a prior draw, unconstrained
     log_density: Callable  # (u, V, T) -> (log p(u), per-element (N,), rest ())
+    prior_log_weight: Callable  # (u, V, T) -> log gamma_T / p(u, V): weight of a prior draw
 
 
 def _joint(marked: Callable, args: tuple, kwargs: dict, plate: str, fallback: Any,
@@ -236,7 +241,7 @@ def _joint(marked: Callable, args: tuple, kwargs: dict, plate: str, fallback: An
                  for loc in layout.locals_}
         return ravel_pytree(u)[0], flatten(local)
 
-    def log_density(u: jax.Array, flat: jax.Array, temperature: jax.Array) -> tuple:
+    def evaluate(u: jax.Array, flat: jax.Array, temperature: jax.Array) -> tuple:
         handler = _local_density(
             _unconstrain_params(seed(marked, key_fixed), unravel(u)), temperature, fallback,
             plate, unflatten(flat), skip,
@@ -250,9 +255,16 @@ def _joint(marked: Callable, args: tuple, kwargs: dict, plate: str, fallback: An
                 elements = elements + _element_log_lik(site, lp, plate)
             else:
                 rest = rest + jnp.sum(lp)
-        return log_p, elements, rest
+        return log_p, elements, rest, handler.proposal
 
-    return _Joint(init, log_density)
+    def log_density(u: jax.Array, flat: jax.Array, temperature: jax.Array) -> tuple:
+        return evaluate(u, flat, temperature)[:3]
+
+    def prior_log_weight(u: jax.Array, flat: jax.Array, temperature: jax.Array) -> jax.Array:
+        _, elements, rest, proposal = evaluate(u, flat, temperature)
+        return jnp.sum(elements) + rest - proposal
+
+    return _Joint(init, log_density, prior_log_weight)
 
 
 # -----------------------------------------------------------------------------------------
@@ -397,10 +409,12 @@ def _target(joint: _Joint, frame: _Frame, temperature: jax.Array) -> _Target:
     return _Target(init, log_prior, pieces)
 
 
-def _prior_check(target: _Target, key: jax.Array, num_draws: int, t: jax.Array) -> tuple:
-    """log of the mean of e^L over draws of the SMC's prior, and their Kish ESS."""
-    draws = jax.vmap(target.init)(random.split(key, num_draws))
-    log_w = jax.lax.map(lambda x: target.pieces(x, t)[0], draws, batch_size=64)
+def _prior_check(joint: _Joint, key: jax.Array, num_draws: int, t: jax.Array) -> tuple:
+    """log of the mean of the weights gamma_T / p of draws from the model's prior (globals
+    and locals: plain Monte Carlo, unbiased for C(T), independent of the SMC's standardising
+    map, so that it sees what a poor map hides), and their Kish ESS."""
+    u, v = jax.vmap(joint.init)(random.split(key, num_draws))
+    log_w = jax.lax.map(lambda a: joint.prior_log_weight(*a, t), (u, v), batch_size=64)
     log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
     log_mean = logsumexp(log_w) - math.log(num_draws)
     w = jnp.exp(log_w - jnp.max(log_w))
@@ -437,11 +451,8 @@ def build_joint_runner(
         keys = random.split(key_runs, settings.num_replicates)
         out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, frames)
 
-        def check(t: jax.Array, frame: _Frame) -> tuple:
-            return _prior_check(_target(joint, best(frame), t), key_prior,
-                                settings.num_prior_draws, t)
-
-        prior = jax.lax.map(lambda a: check(*a), (temps, frames))
+        prior = jax.lax.map(
+            lambda t: _prior_check(joint, key_prior, settings.num_prior_draws, t), temps)
         return SMCRun(*out, *prior)
 
     return run

@@ -1021,9 +1021,36 @@ def _warn_fallback(reason: str) -> None:
     )
 
 
+#: the accuracy contract's standard error (nats): above it log_partition warns, even where
+#: the replicates agree well enough not to be flagged
+MAX_STDERR = 0.1
+
+
+def _warn_imprecise(est: LogPartitionEstimate) -> None:
+    """Warn where a temperature's standard error exceeds ``MAX_STDERR`` but is not flagged
+    (flagged ones have their own warning)."""
+    se = np.asarray(est.stderr, np.float64)
+    wide = ~np.asarray(est.flagged, bool) & np.isfinite(se) & (se > MAX_STDERR)
+    if not np.any(wide):
+        return
+    show = slice(0, 8)
+    reps = ""
+    if est.replicate_log_c is not None:
+        rows = np.asarray(est.replicate_log_c).T[wide][:4]
+        reps = f" (replicates' log C-hat_r {[_rounded(r, 2) for r in rows]})"
+    warnings.warn(
+        f"log_partition: standard error {_rounded(se[wide][show], 3)} nats > {MAX_STDERR} at "
+        f"T = {_rounded(np.asarray(est.temperatures)[wide][show], 4)}: the estimate is "
+        f"imprecise{reps}; increase num_particles / num_replicates / num_mcmc_steps.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None) -> None:
     from numpyro_tempering.tempered_smc import MAX_REPLICATE_SD
 
+    _warn_imprecise(est)
     flagged = est.flagged
     if not np.any(flagged):
         return

@@ -277,6 +277,54 @@ def test_poisson_vs_brute(T):
     assert_allclose(got, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_poisson_large_rates_use_the_asymptotic_expansion(dtype):
+    """Beyond rate/T = 30 (float32) or 1000 (float64) the three-term expansion of Gaunt et
+    al. (2019) replaces the series: against the brute-force sum across the switch, and a
+    huge rate returns at once (finite) while a non-finite one gives nan."""
+    temps = np.array([0.5, 1.5, 10.0])[:, None]
+    rate = np.array([25.0, 35.0, 90.0, 110.0, 900.0, 1100.0, 2.0e4])
+    with x64():
+        got = np.asarray(tempered_log_normalizer(
+            npd.Poisson(jnp.asarray(rate, dtype)), jnp.asarray(temps, dtype)))
+        huge = np.asarray(tempered_log_normalizer(
+            npd.Poisson(jnp.asarray([1e30, np.inf], dtype)), jnp.asarray(3.0, dtype)))
+    k = np.arange(60000)
+    ref = [[brute_log_sum(stats.poisson.logpmf(k, r), t) for r in rate] for t in temps[:, 0]]
+    assert_allclose(got, ref, rtol=0, atol=1e-10 if dtype == np.float64 else 5e-5)
+    assert np.isfinite(huge[0]) and np.isnan(huge[1])
+    nu = 1 / 3.0  # leading order: (1 - nu)/2 log(2 pi r) + log(T)/2
+    assert_allclose(huge[0], (1 - nu) / 2 * np.log(2 * np.pi * 1e30) + np.log(3.0) / 2,
+                    rtol=1e-6)
+    # draws at a large rate start their walk near the bulk: mean and variance of the law
+    with x64():
+        td = tempered_distribution(npd.Poisson(jnp.asarray([2.0e4], dtype)), 3.0)
+        draws = np.asarray(td.sample(jax.random.PRNGKey(0), (4000,)), np.float64)[:, 0]
+    log_p = stats.poisson.logpmf(k, 2.0e4) / 3.0
+    p = np.exp(log_p - special.logsumexp(log_p))
+    mean = np.sum(k * p)
+    var = np.sum((k - mean) ** 2 * p)
+    assert abs(draws.mean() - mean) < 5 * np.sqrt(var / 4000)
+    assert abs(draws.var() / var - 1) < 0.15
+
+
+def test_series_stop_at_once_on_nan_parameters():
+    """A nan rate or probability (a divergent HMC step's) gives nan at once; it used to run
+    the series to its 2**22-term cap in lock step with the whole batch (minutes under SMC).
+    The time limit only detects that hang."""
+    import time
+
+    start = time.perf_counter()
+    with validation_enabled(False):
+        pois = tempered_log_normalizer(
+            npd.Poisson(jnp.array([1.0, np.nan, -1.0, np.inf]), validate_args=False), 2.0)
+        binom = tempered_log_normalizer(
+            npd.Binomial(5, probs=jnp.array([0.3, np.nan]), validate_args=False), 2.0)
+    assert np.isfinite(pois[0]) and np.isnan(pois[1:]).all()
+    assert np.isfinite(binom[0]) and np.isnan(binom[1])
+    assert time.perf_counter() - start < 20.0
+
+
 @pytest.mark.parametrize("T", [0.5, 1.0, 3.0])
 def test_multinomial_per_trial_and_exact_vs_enumeration(T):
     probs = np.array([0.2, 0.3, 0.5])
