@@ -748,7 +748,14 @@ class LogPartitionEstimate(NamedTuple):
         route: ``"ladder"`` (one SMC run along the whole ladder,
             :mod:`numpyro_tempering.ladder_smc`), ``"per-temperature"`` (one SMC per
             temperature) or ``"joint"`` (one SMC per temperature over globals and locals,
-            :mod:`numpyro_tempering.joint_smc`) for ``"smc"``; ``None`` otherwise.
+            :mod:`numpyro_tempering.joint_smc`, or for locals of dimension <= 2 quadrature
+            over the locals and SMC over the globals,
+            :mod:`numpyro_tempering.local_quadrature`) for ``"smc"``; ``None`` otherwise.
+        quadrature_error: ``(M,)`` with the quadrature over the locals: the measured error of
+            ``log_c`` from the quadrature (the change of :math:`\sum_n \log\hat c_n` with
+            twice the nodes, averaged over the final weighted particles and the replicates),
+            already added to ``stderr``; a temperature where it exceeds
+            :data:`~numpyro_tempering.local_quadrature.QUAD_TOLERANCE` is flagged.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -777,6 +784,15 @@ class LogPartitionEstimate(NamedTuple):
     prior_log_c: np.ndarray | None = None
     missed_mass: np.ndarray | None = None
     route: str | None = None
+    quadrature_error: np.ndarray | None = None
+
+    def _missed_or_quadrature(self) -> np.ndarray | None:
+        if self.quadrature_error is None:
+            return self.missed_mass
+        from numpyro_tempering.local_quadrature import QUAD_TOLERANCE
+
+        quad = ~(np.abs(np.asarray(self.quadrature_error)) <= QUAD_TOLERANCE)
+        return quad if self.missed_mass is None else quad | np.asarray(self.missed_mass)
 
     @property
     def flagged(self) -> np.ndarray:
@@ -792,7 +808,7 @@ class LogPartitionEstimate(NamedTuple):
                 self.acceptance,
                 self.num_nonfinite,
                 exact=np.asarray(self.temperatures) == 1.0,
-                missed=self.missed_mass,
+                missed=self._missed_or_quadrature(),
             )
         if self.num_samples is None:  # built by hand: only non-finite draws can be judged
             return np.asarray(self.num_nonfinite) > 0
@@ -968,22 +984,27 @@ def _smc_runner(
     per_element: bool,
     ladder: bool = False,
     joint: bool = False,
+    quadrature: bool = False,
 ) -> Any:
     """Compiled once per model, selection, budget and argument structure
     (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route (with
-    ``joint``: the joint SMC over globals and locals, :mod:`numpyro_tempering.joint_smc`), or
+    ``joint``: the joint SMC over globals and locals, :mod:`numpyro_tempering.joint_smc`;
+    with ``quadrature`` too: quadrature over the locals and SMC over the globals,
+    :mod:`numpyro_tempering.local_quadrature`), or
     with ``ladder`` the ``(init, advance)`` pair of
     :func:`~numpyro_tempering.ladder_smc.build_ladder_runner`."""
     from numpyro_tempering.joint_smc import build_joint_runner
     from numpyro_tempering.ladder_smc import build_ladder_runner
+    from numpyro_tempering.local_quadrature import build_quadrature_runner
     from numpyro_tempering.tempered_smc import build_runner
 
-    extra = (plate, fallback, global_names, settings, per_element, joint)
+    extra = (plate, fallback, global_names, settings, per_element, joint, quadrature)
+    local_runner = build_quadrature_runner if quadrature else build_joint_runner
 
     def compiled(tag: str, pick: Callable, options: dict | None) -> Callable:
         def make(marked: Callable, a: tuple, k: dict) -> Callable:
             build = (build_ladder_runner if ladder
-                     else build_joint_runner if joint else build_runner)
+                     else local_runner if joint else build_runner)
             return pick(build(marked, a, k, plate, fallback, global_names, settings,
                               per_element))
 
@@ -1077,6 +1098,17 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
             f"> SMC {_rounded(np.asarray(est.log_c)[missed][show], 3)}): a mode was missed; "
             "the standard error is raised to at least the shortfall"
         )
+    if est.quadrature_error is not None:
+        from numpyro_tempering.local_quadrature import QUAD_TOLERANCE
+
+        quad = np.asarray(est.quadrature_error)
+        if np.any(inexact := flagged & ~(np.abs(quad) <= QUAD_TOLERANCE)):
+            reasons.append(
+                f"at T = {_rounded(temps[inexact][show], 4)} the quadrature over the locals "
+                f"changes log C by {_rounded(quad[inexact][show], 3)} nats with twice the "
+                f"nodes (tolerance {QUAD_TOLERANCE}; added to the standard error): the "
+                "locals' conditionals are far from Gaussian"
+            )
     warnings.warn(
         "log_partition: the tempered SMC estimate of log C(T) cannot be trusted at "
         f"T = {_rounded(temps[flagged][show], 4)}: replicate spread (sd of log C-hat_r) "
@@ -1184,6 +1216,7 @@ def _smc_estimate(
     progress_bar: bool = False,
     ladder: bool = False,
     joint: bool = False,
+    quadrature: bool = False,
 ) -> LogPartitionEstimate:
     from numpyro_tempering.tempered_smc import combine, missed_mass
 
@@ -1202,8 +1235,8 @@ def _smc_estimate(
             lambda v: np.take(v, back, axis=0 if np.ndim(v) == 1 else 1), out
         )
     else:
-        out = _run_in_chunks(_smc_runner(*runner_args, joint=joint), rng_key, temps,
-                             progress_bar)
+        out = _run_in_chunks(_smc_runner(*runner_args, joint=joint, quadrature=quadrature),
+                             rng_key, temps, progress_bar)
         behind = np.asarray(out.num_stages)
     one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
     reps = np.where(one[None, :], 0.0, np.asarray(out.log_z, np.float64))
@@ -1219,6 +1252,10 @@ def _smc_estimate(
     ) & ~one
     # never a small standard error around a value that misses mass: at least the shortfall
     stderr = np.where(missed, np.maximum(stderr, prior_log_c - log_c), stderr)
+    quad_error = None
+    if out.quad_error is not None:  # deterministic: added to the standard error
+        quad_error = np.where(one, 0.0, np.mean(np.asarray(out.quad_error, np.float64), 0))
+        stderr = stderr + np.abs(quad_error)
     element = None
     if per_element:
         mean = np.nanmean(np.asarray(out.element_mean, np.float64), axis=0)  # (M, E)
@@ -1245,6 +1282,7 @@ def _smc_estimate(
         prior_log_c=prior_log_c,
         missed_mass=missed,
         route="ladder" if ladder else "joint" if joint else "per-temperature",
+        quadrature_error=quad_error,
     )
 
 
@@ -1464,6 +1502,11 @@ def log_partition(
                 f"(numpyro_tempering.joint_smc) cannot serve them: {reason}"
             )
             return prior()
+        from numpyro_tempering.local_quadrature import MAX_DIM, local_dim
+
+        quadrature = 0 < local_dim(marked, args, kwargs, plate, global_names) <= MAX_DIM
+    else:
+        quadrature = False
     probe, _, constant = _prior_estimate(
         random.fold_in(rng_key, 2),
         model,
@@ -1505,6 +1548,7 @@ def log_partition(
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,
         kwargs, global_names, settings, plate, fallback, progress_bar, ladder, locals_joint,
+        quadrature,
     )
     _warn_untrusted_smc(est, settings.max_stages)
     return est

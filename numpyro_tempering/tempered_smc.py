@@ -166,6 +166,7 @@ class SMCRun(NamedTuple):
     tempering_param: jax.Array  # lambda reached (1 unless the stage cap stopped the run)
     prior_log_c: jax.Array  # (M,): log of the mean of e^{L_T} over prior draws
     prior_ess: jax.Array  # (M,): Kish ESS of those draws' weights
+    quad_error: jax.Array | None = None  # (R, M): measured quadrature error of log C-hat
 
 
 def flag_smc(
@@ -490,9 +491,11 @@ def _laplace(
 def _smc(
     target: _Target, settings: SMCSettings, key: jax.Array, temperature: jax.Array,
     reference: tuple[jax.Array, jax.Array] | None, per_element: bool,
+    final: Callable | None = None,
 ) -> tuple:
     """One adaptive tempered SMC run at one temperature: (log C-hat, final ESS, stages,
-    last acceptance, E_final[log c_n] or None)."""
+    last acceptance, E_final[log c_n] or None, lambda reached), and with ``final`` also the
+    weighted mean of ``final(x)`` over the final particles (64 particles at a time)."""
     num = settings.num_particles
     key_init, key_loop = random.split(key)
     if reference is None:  # path from the prior
@@ -603,7 +606,11 @@ def _smc(
     if per_element:
         element = jax.vmap(lambda u: target.pieces(u, temperature)[1])(state.particles)
         element = jnp.sum(state.weights[:, None] * element, 0)
-    return log_z, ess, stages, acc, element, state.tempering_param
+    out = (log_z, ess, stages, acc, element, state.tempering_param)
+    if final is not None:
+        values = jax.lax.map(final, state.particles, batch_size=64)
+        out = (*out, jnp.sum(state.weights * values))
+    return out
 
 
 def _prior_check(

@@ -1,0 +1,109 @@
+"""log C(T) of models with continuous locals: the quadrature route and the joint SMC
+against exact references (issue 20, scope 5).
+
+``python benchmarks/log_partition_locals.py [--models normal,lognormal,gamma,poisson]
+[--route quadrature|joint-smc] [--num N]``
+
+Per model and temperature (T in {1, 1.5, 3, 10}, float32, defaults): the error against the
+exact value, the standard error, the measured quadrature error (quadrature route), the
+number of SMC stages, and the wall time of the first call (with compilation) and of a
+second call with another key (compiled).
+"""
+
+import argparse
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+from scipy.special import gammaln
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from test_log_partition_locals import (  # noqa: E402
+    exact_log_c,
+    lognormal_local,
+    normal_local,
+    poisson_log_link,
+    poisson_reference,
+)
+
+from numpyro_tempering import local_quadrature  # noqa: E402
+from numpyro_tempering.partition_function import log_partition  # noqa: E402
+
+TEMPS = jnp.array([1.0, 1.5, 3.0, 10.0])
+TAU, SHAPE = 0.1, 3.0
+
+
+def gamma_local(x):
+    """beta ~ N(0, TAU); lambda_n ~ Gamma(3, rate 3 e^beta) (untempered); x_n ~ N(0,
+    lambda_n^{-1/2}) tempered."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, TAU))
+    with numpyro.plate("data", x.shape[0]):
+        lam = numpyro.sample("lam", dist.Gamma(SHAPE, SHAPE * jnp.exp(beta)))
+        numpyro.sample("x", dist.Normal(0.0, lam**-0.5), obs=x)
+
+
+def gamma_exact(temps, num):
+    r"""c_n = (2 pi / lambda)^c T^{1/2}, c = (1 - 1/T)/2; E[lambda^{-c}] = b^c
+    Gamma(a - c) / Gamma(a) with b = 3 e^beta: log c_n is linear in beta, and
+    log E[e^{N c beta}] = (N c TAU)^2 / 2."""
+    t = np.asarray(temps, np.float64)
+    c = 0.5 * (1.0 - 1.0 / t)
+    per = (c * math.log(2 * math.pi) + 0.5 * np.log(t) + c * math.log(SHAPE)
+           + gammaln(SHAPE - c) - gammaln(SHAPE))
+    return num * per + 0.5 * (num * c * TAU) ** 2
+
+
+MODELS = {
+    "normal": (normal_local, lambda n: exact_log_c(TEMPS, n), 500),
+    "lognormal": (lognormal_local, lambda n: exact_log_c(TEMPS, n), 500),
+    "gamma": (gamma_local, lambda n: gamma_exact(TEMPS, n), 500),
+    "poisson": (poisson_log_link, lambda n: np.array([poisson_reference(float(t))
+                                                      for t in TEMPS]), 4),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default="normal,lognormal,gamma,poisson")
+    parser.add_argument("--route", default="quadrature", choices=["quadrature", "joint-smc"])
+    parser.add_argument("--num", type=int, default=None)
+    parser.add_argument("--no-second", action="store_true")
+    opts = parser.parse_args()
+    if opts.route == "joint-smc":
+        local_quadrature.MAX_DIM = 0
+    for name in opts.models.split(","):
+        model, exact_fn, num = MODELS[name]
+        num = opts.num or num
+        exact = exact_fn(num)
+        for i, key in enumerate([0] if opts.no_second else [0, 1]):
+            start = time.perf_counter()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                est = log_partition(jax.random.PRNGKey(key), model, TEMPS, jnp.zeros(num),
+                                    plate="data", progress_bar=False, route="joint")
+            secs = time.perf_counter() - start
+            err = np.asarray(est.log_c, np.float64) - exact
+            se = np.asarray(est.stderr, np.float64)
+            quad = est.quadrature_error
+            ok = (np.all(np.abs(err) <= 0.1) and np.all(np.abs(err) <= 3 * se + 0.02)
+                  and np.all(se <= 0.1) and not np.any(est.flagged))
+            print(f"{name} N={num} route={opts.route} call={i} {secs:.1f}s contract={ok}")
+            for m, t in enumerate(np.asarray(TEMPS)):
+                q = "" if quad is None else f" quad={quad[m]:+.4f}"
+                print(f"  T={t:5.1f} exact={exact[m]:10.3f} err={err[m]:+.4f} se={se[m]:.4f}"
+                      f"{q} stages={est.num_stages[m]:.1f} flagged={est.flagged[m]}")
+            for w in caught:
+                print("  warning:", str(w.message)[:300])
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
