@@ -18,13 +18,17 @@ the evidence of a model with prior :math:`p(\beta)` (the globals) and log-likeli
 below, given the globals), estimated by blackjax's adaptive tempered SMC with R independent
 replicates (:mod:`numpyro_tempering.tempered_smc`, which says why blackjax's SMC and not our
 own). When **continuous local latents** (inside ``plate``) change the contributions, the
-SMC can run over the globals *and* the locals jointly (:mod:`numpyro_tempering.joint_smc`,
-``route="joint"``, opt-in for now, see :func:`log_partition`): the target is
+SMC can run over the globals *and* the locals (``route="joint"``, opt-in for now, see
+:func:`log_partition`): for one-dimensional locals by adaptive Gauss-Hermite quadrature over
+each element's locals given the globals and SMC over the globals only
+(:mod:`numpyro_tempering.local_quadrature`, Liu and Pierce 1994), otherwise by one SMC over
+both (:mod:`numpyro_tempering.joint_smc`). The target is
 :math:`p(\beta)\prod_n \tilde p(z_n\mid\beta) e^{a_n(\beta, z_n, T)}` (a tempered latent
 local as its unnormalised :math:`p^{1/T}`), whose evidence is :math:`C(T)` (supplement
 eq. 1), and tempered SMC's evidence estimate is unbiased for it (Del Moral 2004; Chopin
-and Papaspiliopoulos 2020) -- unlike the nested average of eq. 7, whose log is low by many
-nats at realistic N. It falls
+and Papaspiliopoulos 2020; with the quadrature, for :math:`C(T)` with each element's
+integral replaced by its rule, whose deterministic error is measured and reported) --
+unlike the nested average of eq. 7, whose log is low by many nats at realistic N. It falls
 back to ``method="prior"`` with a warning naming the reason for discrete globals, locals
 that matter without ``route="joint"``, discrete locals, ``plate=None`` with locals that
 matter, and subsampled plates, and returns the exact
@@ -1013,7 +1017,11 @@ def _smc_runner(
     if not ladder:
         # XLA's backend optimisations more than double the compile time of the SMC loop
         # (30 s -> 12 s on 2 cores) for a ~30% slower run: level 0 pays for itself
-        return compiled("smc", lambda run: run, SMC_COMPILER_OPTIONS)
+        # ... but not for the quadrature over the locals, whose many node evaluations per
+        # particle run 2.5x slower at level 0 (gamma local, N = 500: 36 s against 14 s a
+        # call, for a compile that is no longer)
+        options = None if joint and quadrature else SMC_COMPILER_OPTIONS
+        return compiled("smc", lambda run: run, options)
     # the ladder's stage loop: default optimisation (level 0 made it 6x slower for a 10%
     # shorter compile)
     return (compiled("ladder-init", lambda pair: pair[0], None),
@@ -1340,12 +1348,16 @@ def log_partition(
     every tempered site, and when the contributions are the same for every draw of the
     globals (they do not depend on them) its exact value is returned instead (``method``
     ``"prior"``, ``stderr`` 0). Continuous local latents that change the contributions
-    are integrated, with ``route="joint"``, by one SMC over globals and locals jointly
-    (:mod:`numpyro_tempering.joint_smc`, one run per temperature; unbiased for C). It is
-    opt-in for now: it meets the contract on Gaussian and log-normal locals
-    (``tests/test_log_partition_locals.py``) but not yet on a skewed (Gamma) local scale at
-    N = 500, and a Poisson log link can keep it running for minutes; without it such
-    models fall back to ``method="prior"`` (nested Monte Carlo, supplement eq. 7: biased
+    are integrated with ``route="joint"``: one-dimensional locals (per element, on the
+    unconstrained space) by adaptive Gauss-Hermite quadrature given the globals and tempered
+    SMC over the globals (:mod:`numpyro_tempering.local_quadrature`; the quadrature error is
+    measured, added to ``stderr`` and flagged above 0.02 nats, ``quadrature_error``), more
+    by one SMC over globals and locals jointly (:mod:`numpyro_tempering.joint_smc`); one
+    run per temperature. It is opt-in for now: the quadrature meets the contract on
+    Gaussian, log-normal and Gamma locals at N = 500 in 32-49 s
+    (``tests/test_log_partition_locals.py``, ``benchmarks/log_partition_locals.py``), but a
+    Poisson log link is not yet verified; without it such models fall back to
+    ``method="prior"`` (nested Monte Carlo, supplement eq. 7: biased
     low in log) with a warning that names the sites and the route. Models the SMC cannot
     handle -- discrete globals, discrete locals, locals with ``plate=None``, subsampled
     plates -- fall back to ``method="prior"`` with a ``UserWarning`` naming the sites or the
@@ -1484,10 +1496,12 @@ def log_partition(
     if locals_joint and route != "joint":
         _warn_fallback(
             f"local latent site(s) {list(structure.local_latents)} change the per-element "
-            "contributions; route='joint' integrates them by one SMC over globals and locals "
-            "(numpyro_tempering.joint_smc), not yet the default: it meets the contract on "
-            "Gaussian and log-normal locals but not yet on skewed ones, and can run "
-            "for minutes on a Poisson log link"
+            "contributions; route='joint' integrates them (one-dimensional locals: adaptive "
+            "Gauss-Hermite quadrature over the locals and SMC over the globals, "
+            "numpyro_tempering.local_quadrature; more: one SMC over globals and locals, "
+            "numpyro_tempering.joint_smc), not yet the default: the quadrature meets the "
+            "contract on Gaussian, log-normal and Gamma locals, but a Poisson log link is "
+            "not yet verified (its normaliser's series is slow for large rates)"
         )
         return prior()
     if locals_joint:
