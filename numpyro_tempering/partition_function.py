@@ -906,6 +906,8 @@ _SMC_CACHE: dict = {}
 _SMC_CACHE_SIZE = 32
 #: XLA options of the compiled SMC estimator
 SMC_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+#: ... and for the quadrature over the locals (:mod:`numpyro_tempering.local_quadrature`)
+QUAD_COMPILER_OPTIONS = {"xla_backend_optimization_level": 3}
 
 
 def _compiled_draws(
@@ -1019,8 +1021,9 @@ def _smc_runner(
         # (30 s -> 12 s on 2 cores) for a ~30% slower run: level 0 pays for itself
         # ... but not for the quadrature over the locals, whose many node evaluations per
         # particle run 2.5x slower at level 0 (gamma local, N = 500: 36 s against 14 s a
-        # call, for a compile that is no longer)
-        options = None if joint and quadrature else SMC_COMPILER_OPTIONS
+        # call, for a compile that is no longer): XLA's default level, asked for explicitly
+        # (so that a process-wide XLA_FLAGS level 0, as in the test suite, does not apply)
+        options = QUAD_COMPILER_OPTIONS if joint and quadrature else SMC_COMPILER_OPTIONS
         return compiled("smc", lambda run: run, options)
     # the ladder's stage loop: default optimisation (level 0 made it 6x slower for a 10%
     # shorter compile)
