@@ -50,8 +50,10 @@ accepts, with ``d <= MAX_DIM`` (1) unconstrained local coordinates per element; 
 Gamma(3) locals (``tests/test_log_partition_locals.py``) all within 0.015 nats of the
 closed forms with standard errors 0.03-0.05, one SMC stage, measured quadrature errors
 below 1e-4 (Gaussian) and 1.2e-3 to 2.1e-3 nats (Gamma), 32-49 s a first call and 9-16 s
-a compiled one; the joint SMC took about 200 s and erred by up to 0.8 nats on the Gamma
-local.
+a compiled one; on the Gamma local the joint SMC took 160 s (27-38 stages) and erred by
+up to 0.51 nats with standard errors 0.36-0.42 (62 s, 0.18 and 0.17-0.24 with its
+reference's locals at their conditional modes, :func:`~numpyro_tempering.joint_smc.
+_joint_mode`).
 
 **Gradients.** The node placement :math:`(m_n(u), R_n(u))` is computed under
 ``stop_gradient``: the value of :math:`\log\hat c_n(u)` is exact for the rule, and its
