@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--no-second", action="store_true")
     opts = parser.parse_args()
     if opts.route == "joint-smc" and local_quadrature is not None:
-        local_quadrature.MAX_DIM = 0
+        local_quadrature.MAX_DIM = 0  # route="quadrature" then runs the joint SMC
     for name in opts.models.split(","):
         model, exact_fn, num = MODELS[name]
         num = opts.num or num
@@ -115,7 +115,8 @@ def main() -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 est = log_partition(jax.random.PRNGKey(key), model, TEMPS, jnp.zeros(num),
-                                    plate="data", progress_bar=False, route="joint")
+                                    plate="data", progress_bar=False,
+                                    route="quadrature" if local_quadrature else "joint")
             secs = time.perf_counter() - start
             err = np.asarray(est.log_c, np.float64) - exact
             se = np.asarray(est.stderr, np.float64)

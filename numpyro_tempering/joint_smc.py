@@ -330,16 +330,24 @@ LOCAL_POLISH_STEPS = 8
 
 
 def _local_curvature(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array,
-                     fallback: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     fallback: jax.Array | None) -> tuple[jax.Array, jax.Array]:
     """Per element: the Cholesky factor of minus the Hessian block of ``a_n`` plus the
-    local's log density in ``v_n`` (``(N, d, d)``; ``fallback`` where that is not positive
-    definite) and whether it was."""
+    local's log density in ``v_n`` (``(N, d, d)``; where that is not positive definite
+    ``fallback``, or with ``None`` the factor of the block shifted by twice its largest
+    absolute diagonal entry plus 1e-3: for d = 1 the absolute curvature) and whether it
+    was."""
     d = v.shape[1]
     grad = jax.grad(lambda w: jnp.sum(joint.log_density(u, w, t)[1]))
     cols = [jax.jvp(grad, (v,), (jnp.zeros_like(v).at[:, k].set(1.0),))[1] for k in range(d)]
     h = -jnp.stack(cols, -1)
-    low = jax.vmap(_cholesky)(0.5 * (h + jnp.swapaxes(h, 1, 2)))
+    h = 0.5 * (h + jnp.swapaxes(h, 1, 2))
+    low = jax.vmap(_cholesky)(h)
     ok = _positive_definite(low)
+    if fallback is None:
+        shift = 2.0 * jnp.max(jnp.abs(jnp.diagonal(h, axis1=1, axis2=2)), -1) + 1e-3
+        fallback = jax.vmap(_cholesky)(h + shift[:, None, None] * jnp.eye(d, dtype=v.dtype))
+        fallback = jnp.where(_positive_definite(fallback)[:, None, None], fallback,
+                             jnp.eye(d, dtype=v.dtype))
     return jnp.where(ok[:, None, None], low, fallback), ok
 
 
@@ -349,11 +357,9 @@ def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, 
     """``steps`` Newton steps per element towards the locals' conditional modes given ``u``
     (the elements are independent given the globals, so each element takes the largest of
     ``fractions`` of its step that raises its own log density, or stays; where its curvature
-    is not positive definite the step is a gradient step scaled by ``fallback``, default the
-    unit matrix)."""
+    is not positive definite the step is scaled by ``fallback``, default the shifted
+    curvature of :func:`_local_curvature`)."""
     num, d = v.shape
-    if fallback is None:
-        fallback = jnp.broadcast_to(jnp.eye(d, dtype=v.dtype), (num, d, d))
 
     def el(w: jax.Array) -> jax.Array:
         value = joint.log_density(u, w, t)[1]
@@ -381,15 +387,19 @@ def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, 
 
 
 def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
-                steps: int = NEWTON_STEPS) -> _Frame:
+                steps: int = NEWTON_STEPS, polish: bool = False) -> _Frame:
     """Damped Newton (Levenberg-Marquardt) to the joint mode from ``(u0, v0)``, and the
-    Laplace pieces there. The locals are first moved to their conditional modes given
-    ``u0`` and polished again at the end (:func:`_conditional_modes`, per element: one far
-    element would otherwise have every joint step refused, since only the globals' Schur
-    complement is damped). Element blocks that are not positive definite fall back to the
-    unit matrix (their locals are then standardised poorly: more SMC stages, no bias)."""
+    Laplace pieces there. With ``polish`` (the quadrature of
+    :mod:`numpyro_tempering.local_quadrature`) the locals are first moved to their
+    conditional modes given ``u0`` and polished again at the end
+    (:func:`_conditional_modes`, per element: one far element would otherwise have every
+    joint step refused, since only the globals' Schur complement is damped; not used by the
+    joint SMC, where it gave NaN on a Poisson funnel). Element blocks that are not positive
+    definite fall back to the unit matrix (their locals are then standardised poorly: more
+    SMC stages, no bias)."""
     d_g, (num, d) = u0.shape[0], v0.shape
-    v0 = _conditional_modes(joint, t, u0, v0, LOCAL_POLISH_STEPS)
+    if polish:
+        v0 = _conditional_modes(joint, t, u0, v0, LOCAL_POLISH_STEPS)
 
     def step(i: jax.Array, carry: tuple) -> tuple:
         u, v, f, lam, _ = carry
@@ -421,9 +431,10 @@ def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
     f0 = jnp.where(jnp.isnan(f0), jnp.inf, f0)
     lam0 = jnp.asarray(1e-3, u0.dtype)
     u, v, f, _, _ = jax.lax.fori_loop(0, steps, step, (u0, v0, f0, lam0, f0))
-    v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
-    log_p, el, rest = joint.log_density(u, v, t)
-    f = -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
+    if polish:
+        v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
+        log_p, el, rest = joint.log_density(u, v, t)
+        f = -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
     _, _, _, h_uu, h_vu, h_vv = _blocks(joint, t, u, v)
     low, coupling, schur = _schur(h_uu, h_vu, h_vv)
     eye_d = jnp.eye(d, dtype=u.dtype)

@@ -1,6 +1,6 @@
 """log C(T) for models with continuous local latents that change the per-element
 contributions, against closed forms: adaptive Gauss-Hermite quadrature over the locals with
-SMC over the globals (numpyro_tempering.local_quadrature, route="joint" for d <= 2), the
+SMC over the globals (numpyro_tempering.local_quadrature, route="quadrature", d = 1), the
 joint SMC over globals and locals (numpyro_tempering.joint_smc, d > 2), the nested fallback
 they replace, and the refusals that keep the fallback."""
 
@@ -111,7 +111,7 @@ def normal_estimate():
         warnings.simplefilter("error")  # no fallback, no untrusted warning
         start = time.perf_counter()
         est = log_partition(KEY, normal_local, TEMPS, jnp.zeros(N), plate="data",
-                            progress_bar=False, route="joint")
+                            progress_bar=False, route="quadrature")
         return est, time.perf_counter() - start
 
 
@@ -119,7 +119,7 @@ def test_normal_local_meets_the_contract(normal_estimate):
     """d = 1: quadrature over the locals; exact for Gaussian conditionals (the measured
     quadrature error is at the float32 floor)."""
     est, seconds = normal_estimate
-    assert est.method == "smc" and est.route == "joint"
+    assert est.method == "smc" and est.route == "quadrature"
     check_contract(est, exact_log_c(TEMPS, N))
     assert np.all(np.abs(est.quadrature_error) < 2e-3), est.quadrature_error
     assert seconds < 90.0
@@ -140,7 +140,7 @@ def test_other_data_reuse_the_compiled_run_and_agree(normal_estimate):
     """Another key (same shapes: cached compilation) is again within the contract."""
     start = time.perf_counter()
     est = log_partition(jax.random.PRNGKey(1), normal_local, TEMPS, jnp.ones(N),
-                        plate="data", progress_bar=False, route="joint")
+                        plate="data", progress_bar=False, route="quadrature")
     check_contract(est, exact_log_c(TEMPS, N))
     assert time.perf_counter() - start < 0.5 * 90.0
 
@@ -161,8 +161,8 @@ def test_skewed_positive_local_meets_the_contract_and_measures_its_quadrature_er
     on this model at N = 500."""
     num = N
     est = log_partition(KEY, gamma_local, TEMPS, jnp.zeros(num), plate="data",
-                        progress_bar=False, route="joint")
-    assert est.route == "joint"
+                        progress_bar=False, route="quadrature")
+    assert est.route == "quadrature"
     check_contract(est, gamma_exact(TEMPS, num))
     # the check's fine rule is ~100x more accurate: quad ~ exact - coarse = -rule error
     expected = -gamma_rule_error(TEMPS, num, local_quadrature.nodes_per_dim(1))
@@ -188,11 +188,11 @@ def test_large_quadrature_error_is_flagged_and_raises_the_standard_error():
 
 def test_joint_smc_serves_locals_beyond_the_quadrature(monkeypatch):
     """Locals of more than MAX_DIM coordinates per element run the joint SMC over globals
-    and locals (forced here on the normal local by lowering MAX_DIM)."""
+    and locals (forced here on the log-normal local by lowering MAX_DIM)."""
     monkeypatch.setattr(local_quadrature, "MAX_DIM", 0)
     num = 100
     est = log_partition(KEY, lognormal_local, TEMPS[1:3], jnp.zeros(num), plate="data",
-                        progress_bar=False, route="joint")
+                        progress_bar=False, route="quadrature")
     assert est.route == "joint" and est.quadrature_error is None
     check_contract(est, exact_log_c(TEMPS[1:3], num))
 
