@@ -27,44 +27,22 @@ from scipy.special import gammaln
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_log_partition_locals import (  # noqa: E402
+    SHAPE,
     TAU,
     S,
     exact_log_c,
+    gamma_exact,
+    gamma_local,
     lognormal_local,
     normal_local,
     poisson_log_link,
     poisson_reference,
 )
 
+from numpyro_tempering import local_quadrature  # noqa: E402
 from numpyro_tempering.partition_function import log_partition  # noqa: E402
 
-try:
-    from numpyro_tempering import local_quadrature
-except ImportError:  # before the quadrature route: the joint SMC only
-    local_quadrature = None
-
 TEMPS = jnp.array([1.0, 1.5, 3.0, 10.0])
-SHAPE = 3.0
-
-
-def gamma_local(x):
-    """beta ~ N(0, TAU); lambda_n ~ Gamma(3, rate 3 e^beta) (untempered); x_n ~ N(0,
-    lambda_n^{-1/2}) tempered."""
-    beta = numpyro.sample("beta", dist.Normal(0.0, TAU))
-    with numpyro.plate("data", x.shape[0]):
-        lam = numpyro.sample("lam", dist.Gamma(SHAPE, SHAPE * jnp.exp(beta)))
-        numpyro.sample("x", dist.Normal(0.0, lam**-0.5), obs=x)
-
-
-def gamma_exact(temps, num):
-    r"""c_n = (2 pi / lambda)^c T^{1/2}, c = (1 - 1/T)/2; E[lambda^{-c}] = b^c
-    Gamma(a - c) / Gamma(a) with b = 3 e^beta: log c_n is linear in beta, and
-    log E[e^{N c beta}] = (N c TAU)^2 / 2."""
-    t = np.asarray(temps, np.float64)
-    c = 0.5 * (1.0 - 1.0 / t)
-    per = (c * math.log(2 * math.pi) + 0.5 * np.log(t) + c * math.log(SHAPE)
-           + gammaln(SHAPE - c) - gammaln(SHAPE))
-    return num * per + 0.5 * (num * c * TAU) ** 2
 
 
 def normal_gamma_local(x):
@@ -104,7 +82,7 @@ def main() -> None:
     parser.add_argument("--num", type=int, default=None)
     parser.add_argument("--no-second", action="store_true")
     opts = parser.parse_args()
-    if opts.route == "joint-smc" and local_quadrature is not None:
+    if opts.route == "joint-smc":
         local_quadrature.MAX_DIM = 0  # route="quadrature" then runs the joint SMC
     for name in opts.models.split(","):
         model, exact_fn, num = MODELS[name]
@@ -115,8 +93,7 @@ def main() -> None:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 est = log_partition(jax.random.PRNGKey(key), model, TEMPS, jnp.zeros(num),
-                                    plate="data", progress_bar=False,
-                                    route="quadrature" if local_quadrature else "joint")
+                                    plate="data", progress_bar=False, route="quadrature")
             secs = time.perf_counter() - start
             err = np.asarray(est.log_c, np.float64) - exact
             se = np.asarray(est.stderr, np.float64)
