@@ -1055,7 +1055,10 @@ def _poisson_asymptotic(rate: Array, t: Array) -> Array:
     c2 = (nu2 - 1.0) * (nu2 + 23.0) / 1152.0
     c3 = (nu2 - 1.0) * (5.0 * nu2 * nu2 - 298.0 * nu2 + 11237.0) / 414720.0
     series = 1.0 + (c1 + (c2 + c3 / x) / x) / x
-    return 0.5 * (1.0 - nu) * jnp.log(2.0 * math.pi * rate) + 0.5 * jnp.log(t) + jnp.log(series)
+    # log(2 pi) + log(r), not log(2 pi r): the product overflows float32 for finite rates
+    # r > 5.4e37 (a log link's eta > 86.88, reached by quadrature nodes on a funnel)
+    log_2pi_r = math.log(2.0 * math.pi) + jnp.log(rate)
+    return 0.5 * (1.0 - nu) * log_2pi_r + 0.5 * jnp.log(t) + jnp.log(series)
 
 
 @jax.jit
