@@ -827,7 +827,11 @@ def _series_loop(
         start, m, s, s_grad, done = state
         k = start + ks
         lt = term_fn(k, params)
-        new_m = jnp.maximum(m, jnp.max(lt, axis=0))
+        # the running max is only a shift (it cancels): no derivative through it. Its
+        # forward-mode derivative (curvatures: jvp of the custom_jvp's rule) divides by the
+        # count of terms equal to the max, which XLA's fused recomputation of the terms
+        # (different rounding) can make 0: 0/0 = nan (a batch of 32 rates, issue 20)
+        new_m = lax.stop_gradient(jnp.maximum(m, jnp.max(lt, axis=0)))
         ref = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
         w = jnp.exp(lt - ref)
         rescale = jnp.exp(m - ref)
