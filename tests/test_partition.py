@@ -323,7 +323,8 @@ def test_poisson_curvature_in_a_log_link_is_finite():
 
     def curvature(dtype):
         def log_z(e):
-            return jnp.sum(tempered_log_normalizer(npd.Poisson(jnp.exp(e)), jnp.asarray(10.0, dtype)))
+            law = npd.Poisson(jnp.exp(e))
+            return jnp.sum(tempered_log_normalizer(law, jnp.asarray(10.0, dtype)))
 
         e = jnp.asarray(eta, dtype)
         return np.asarray(jax.jvp(jax.grad(log_z), (e,), (jnp.ones_like(e),))[1], np.float64)
