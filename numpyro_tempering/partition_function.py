@@ -1113,12 +1113,20 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
         from numpyro_tempering.local_quadrature import QUAD_TOLERANCE
 
         quad = np.asarray(est.quadrature_error)
-        if np.any(inexact := flagged & ~(np.abs(quad) <= QUAD_TOLERANCE)):
+        if np.any(lost := flagged & np.isnan(quad)):
+            reasons.append(
+                f"at T = {_rounded(temps[lost][show], 4)} the quadrature check over the "
+                "locals is NaN (the model's log density is NaN at every quadrature node of "
+                "an element at some final particle): the quadrature error is unknown"
+            )
+        if np.any(inexact := flagged & np.isfinite(quad) & ~(np.abs(quad) <= QUAD_TOLERANCE)):
             reasons.append(
                 f"at T = {_rounded(temps[inexact][show], 4)} the quadrature over the locals "
                 f"changes log C by {_rounded(quad[inexact][show], 3)} nats with twice the "
                 f"nodes (tolerance {QUAD_TOLERANCE}; added to the standard error): the "
-                "locals' conditionals are far from Gaussian"
+                "locals' conditionals are far from Gaussian, or the model's log density is "
+                "NaN at nodes that carry weight (e.g. a log link's exp beyond the float "
+                "range; counted as the rule's Gaussian weighs them)"
             )
     warnings.warn(
         "log_partition: the tempered SMC estimate of log C(T) cannot be trusted at "
