@@ -15,12 +15,16 @@ The tempered partition function (variational-tempering supplement, eq. 1) with g
 the tempered sites' log normalisers). The locals are conditionally independent given the
 globals, so for small :math:`d` each :math:`c_n` is a :math:`d`-dimensional integral,
 computed here by **adaptive Gauss-Hermite quadrature** (Liu and Pierce 1994; the Laplace
-approximation is its one-node case): at every :math:`u`, a few per-element Newton steps
+approximation is its one-node case): at every :math:`u`, per-element damped Newton steps
 from the linear predictor :math:`v_n^* + B_n(u - u^*)` of the joint mode
-(:func:`~numpyro_tempering.joint_smc._joint_mode`) give the conditional mode :math:`m_n(u)`
-and the Cholesky factor :math:`R_n(u)` of the conditional curvature :math:`H_{nn}`, and with
-the probabilists' Hermite nodes :math:`e_j` and weights :math:`w_j` (summing to 1; a tensor
-grid for :math:`d > 1`)
+(:func:`~numpyro_tempering.joint_smc._joint_mode`), until each element's Newton decrement
+:math:`\lVert R_n^{-1}\nabla_{v_n} g_n\rVert` (its distance to the mode in conditional
+standard deviations, to second order) is below ``LOCAL_TOLERANCE`` or after
+``LOCAL_NEWTON_STEPS`` steps, give the conditional mode :math:`m_n(u)` and the Cholesky
+factor :math:`R_n(u)` of the conditional curvature :math:`H_{nn}` there (Liu and Pierce's
+rule is centred at the mode and scaled by the curvature there), and with the probabilists'
+Hermite nodes :math:`e_j` and weights :math:`w_j` (summing to 1; a tensor grid for
+:math:`d > 1`)
 
 .. math::
 
@@ -44,7 +48,11 @@ twice the nodes per dimension (``CHECK_FACTOR``), and the weighted mean of the d
 \mathbb E_\pi[\delta]`) is reported per temperature
 (:attr:`~numpyro_tempering.partition_function.LogPartitionEstimate.quadrature_error`),
 added to the standard error, and a temperature where it exceeds ``QUAD_TOLERANCE`` is
-flagged.
+flagged. A node where an element's log density is NaN (e.g. a log link's ``exp`` beyond
+float32's range, :math:`\eta > 88.7`) counts as zero in :math:`\hat c_n`; the check counts
+the share :math:`\ell_n` of the fine rule's weights at such nodes as the rule's Gaussian
+weighs them, adding :math:`-\log(1 - \ell_n)` (a NaN check, e.g. every node NaN, is flagged
+with its own warning).
 
 **Served** (``route="quadrature"``): models that :func:`~numpyro_tempering.joint_smc.unsupported`
 accepts, with ``d <= MAX_DIM`` (1) unconstrained local coordinates per element; larger
@@ -55,8 +63,23 @@ closed forms with standard errors 0.03-0.05, one SMC stage, measured quadrature 
 below 1e-4 (Gaussian) and 1.2e-3 to 2.1e-3 nats (Gamma), 32-49 s a first call and 9-16 s
 a compiled one; on the Gamma local the joint SMC took 160 s (27-38 stages) and erred by
 up to 0.51 nats with standard errors 0.36-0.42. A Poisson log link under a half-normal
-global scale (a funnel, ``poisson_log_link`` of the tests) gives NaN replicates (flagged):
-not yet served.
+global scale (a funnel, 4 points, ``poisson_log_link`` of the tests, against
+``poisson_reference``): at T in {1.5, 3, 10} within +0.009 to +0.027 nats with standard
+errors 0.023-0.040 (two keys), unflagged, one SMC stage, measured quadrature errors below
+5e-4 nats; 89 s a first call at four temperatures and 32 s a compiled one (machine
+otherwise idle; 82 s / 23 s before the fixes below, which gave NaN), 104-116 s a first
+call at two temperatures on the loaded machine, of which about 80 s is XLA compiling the
+runner; the joint SMC took 30 s / 15 s there and was 1.3-2.9 nats low. Its NaN
+replicates had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
+normaliser's large-rate expansion overflow to :math:`+\infty` (``2 pi r`` in float32; fixed
+in :mod:`numpyro_tempering.partition`), an infinite :math:`\log\hat c_n` at particles near
+:math:`u = \log s = 3.5`; and one Newton step from the joint mode's predictor, which on the
+funnel sits at its neck (:math:`s \approx e^{-7}`, :math:`\eta = 0`), stayed there near
+:math:`s = e^{1.25}` at T = 10 (the log density is nearly flat at :math:`\eta = 0`: the step
+was many widths long and every fraction of it was refused): the nodes were scaled by the
+curvature at :math:`\eta = 0`, 15.5 wide for a conditional sd of 3.4 (:math:`\log\hat c_n`
+off by 0.24 per element), or, where that curvature was negative, by the joint mode's
+(1/1334 wide); quadrature error -0.024 at T = 10, flagged.
 
 **Gradients.** The node placement :math:`(m_n(u), R_n(u))` is computed under
 ``stop_gradient``: the value of :math:`\log\hat c_n(u)` is exact for the rule, and its
@@ -81,23 +104,30 @@ from jax.scipy.special import logsumexp
 from numpy.polynomial.hermite_e import hermegauss
 
 from numpyro_tempering.joint_smc import (
-    _conditional_modes,
     _Frame,
     _Joint,
     _joint,
     _joint_mode,
-    _local_curvature,
+    _positive_definite,
 )
 from numpyro_tempering.tempered_smc import (
     SMCRun,
     SMCSettings,
+    _cholesky,
     _laplace,
     _smc,
+    _solve_lower,
     _solve_upper,
     _Target,
 )
 
-__all__ = ["MAX_DIM", "QUAD_TOLERANCE", "build_quadrature_runner", "local_dim", "nodes_per_dim"]
+__all__ = [
+    "MAX_DIM",
+    "QUAD_TOLERANCE",
+    "build_quadrature_runner",
+    "local_dim",
+    "nodes_per_dim",
+]
 
 #: largest local dimension d (unconstrained coordinates per element) served by quadrature;
 #: larger d runs the joint SMC over globals and locals (numpyro_tempering.joint_smc). The
@@ -113,10 +143,20 @@ NODES = {1: 20, 2: 16}
 CHECK_FACTOR = 2
 #: flag a temperature whose measured quadrature error of log C exceeds this (nats)
 QUAD_TOLERANCE = 0.02
-#: per-element Newton steps from the linear predictor to the conditional mode, at every u
-LOCAL_NEWTON_STEPS = 1
-#: ... each taking the largest of these fractions of its step that raises the log density
-LOCAL_FRACTIONS = (1.0, 0.5, 0.25)
+#: at most this many per-element Newton steps from the linear predictor to the conditional
+#: mode, at every u (measured on the Poisson funnel at T = 10, whose joint mode's predictor
+#: is the funnel's neck: 3 steps reach the mode wherever u carries mass, e^1 <= s <= e^2.25;
+#: a Gaussian conditional takes 1). Under vmap every particle pays for the slowest, and
+#: each step costs about 40% of the 20-node rule (a gradient, a curvature and the
+#: fractions' log densities)
+LOCAL_NEWTON_STEPS = 3
+#: ... stopping once every element's Newton decrement sqrt(g^T H^-1 g) (its distance to the
+#: mode in conditional standard deviations, to second order) is below this
+LOCAL_TOLERANCE = 1e-2
+#: ... each step taking the largest of these fractions of itself that raises the element's
+#: log density (1/32: a start where the log density is nearly flat, whose Newton step is
+#: many conditional widths long, still moves towards the mode)
+LOCAL_FRACTIONS = (1.0, 0.5, 0.125, 1 / 32)
 
 
 def nodes_per_dim(dim: int) -> int:
@@ -124,18 +164,18 @@ def nodes_per_dim(dim: int) -> int:
     return NODES[dim]
 
 
-def _rule(q: int, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """Tensor-grid probabilists' Gauss-Hermite rule: nodes ``(q^d, d)`` and the log of the
-    weights normalised to sum 1, minus ``log N(e; 0, I)`` at the nodes (so that
+def _rule(q: int, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Tensor-grid probabilists' Gauss-Hermite rule: nodes ``(q^d, d)``, the log of the
+    weights normalised to sum 1 minus ``log N(e; 0, I)`` at the nodes (so that
     ``sum_j exp(corr_j) f(e_j) N(e_j)`` integrates ``f N`` and ``sum_j exp(corr_j) g(e_j)``
-    integrates ``g``)."""
+    integrates ``g``), and the log of the normalised weights."""
     x, w = hermegauss(q)
     w = w / w.sum()
     grid = np.stack(np.meshgrid(*([x] * dim), indexing="ij"), -1).reshape(-1, dim)
     log_w = np.sum(np.log(np.stack(np.meshgrid(*([w] * dim), indexing="ij"), -1)
                           .reshape(-1, dim)), -1)
     log_n = -0.5 * np.sum(grid**2, -1) - 0.5 * dim * math.log(2 * math.pi)
-    return grid, log_w - log_n
+    return grid, log_w - log_n, log_w
 
 
 class _Placement(NamedTuple):
@@ -143,34 +183,95 @@ class _Placement(NamedTuple):
     low: jax.Array  # (N, d, d) Cholesky factor R_n of the conditional curvature
 
 
+def _score_and_curvature(joint: _Joint, t: jax.Array, u: jax.Array, w: jax.Array) -> tuple:
+    """Per element: the gradient ``g`` ``(N, d)`` of the locals' log density given ``u``,
+    the Cholesky factor ``R`` of its negative Hessian (where that is not positive definite,
+    of the Hessian shifted as in :func:`~numpyro_tempering.joint_smc._local_curvature`: for
+    d = 1 the absolute curvature plus 1e-3, else the unit matrix) and whether it was."""
+    d = w.shape[1]
+    grad = jax.grad(lambda a: jnp.sum(joint.log_density(u, a, t)[1]))
+    cols = [jax.jvp(grad, (w,), (jnp.zeros_like(w).at[:, k].set(1.0),)) for k in range(d)]
+    g = cols[0][0]
+    h = -jnp.stack([c[1] for c in cols], -1)
+    h = 0.5 * (h + jnp.swapaxes(h, 1, 2))
+    low = jax.vmap(_cholesky)(h)
+    ok = _positive_definite(low)
+    eye = jnp.eye(d, dtype=w.dtype)
+    shift = 2.0 * jnp.max(jnp.abs(jnp.diagonal(h, axis1=1, axis2=2)), -1) + 1e-3
+    shifted = jax.vmap(_cholesky)(h + shift[:, None, None] * eye)
+    shifted = jnp.where(_positive_definite(shifted)[:, None, None], shifted, eye)
+    return g, jnp.where(ok[:, None, None], low, shifted), ok
+
+
 def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
                steps: int | None = None) -> _Placement:
-    """Per-element Newton steps (:func:`~numpyro_tempering.joint_smc._conditional_modes`)
-    to the conditional mode of the locals given ``u``, from the joint mode's linear
-    predictor, and the Cholesky factors of the curvature there (the joint mode's where not
-    positive definite)."""
-    v0 = frame.v + jnp.einsum("nda,a->nd", frame.coupling, u - frame.u)
+    """The conditional modes of the locals given ``u`` and the Cholesky factors of the
+    curvature there, by per-element damped Newton steps from the joint mode's linear
+    predictor (the elements are independent given the globals) until every element's
+    Newton decrement is below ``LOCAL_TOLERANCE`` with a positive definite curvature, or
+    ``steps`` (default ``LOCAL_NEWTON_STEPS``) steps. Each element takes the largest of
+    ``LOCAL_FRACTIONS`` of its step that raises its own log density, or stays; where its
+    curvature is not positive definite the step and the factor use the shifted curvature of
+    :func:`_score_and_curvature` (not the joint mode's factor: on a funnel that belongs to
+    another scale of the locals)."""
     steps = LOCAL_NEWTON_STEPS if steps is None else steps
-    v = _conditional_modes(joint, t, u, v0, steps, None, LOCAL_FRACTIONS)
-    return _Placement(v, _local_curvature(joint, t, u, v, frame.local_prec)[0])
+    v0 = frame.v + jnp.einsum("nda,a->nd", frame.coupling, u - frame.u)
+
+    def el(w: jax.Array) -> jax.Array:
+        value = joint.log_density(u, w, t)[1]
+        return jnp.where(jnp.isnan(value), -jnp.inf, value)
+
+    def local(w: jax.Array) -> tuple:
+        g, low, ok = _score_and_curvature(joint, t, u, w)
+        half = jax.vmap(_solve_lower)(low, g)  # R^{-1} g: |.|^2 is the Newton decrement
+        near = ok & (jnp.sum(half**2, -1) <= LOCAL_TOLERANCE**2)  # nan: not near
+        return half, low, ~jnp.all(near)
+
+    def cond(carry: tuple) -> jax.Array:
+        *_, pending, i = carry
+        return pending & (i < steps)
+
+    def body(carry: tuple) -> tuple:
+        w, f, half, low, _, i = carry
+        dv = jax.vmap(lambda r, a: _solve_upper(r.T, a))(low, half)  # H^{-1} g
+        dv = jnp.where(jnp.isfinite(dv), dv, 0.0)
+        fracs = jnp.asarray(LOCAL_FRACTIONS, w.dtype)[:, None, None]
+        cands = w + fracs * dv  # (F, N, d): one vectorised evaluation of every fraction
+        f_c = jax.vmap(el)(cands)  # (F, N)
+        better = jnp.isfinite(f_c) & (f_c > f)
+        first = jnp.argmax(better, 0)  # the largest fraction that raises the log density
+        take = jnp.any(better, 0)
+        pick = jnp.take_along_axis(cands, first[None, :, None], 0)[0]
+        new_w = jnp.where(take[:, None], pick, w)
+        new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
+        return (new_w, new_f, *local(new_w), i + 1)
+
+    carry = (v0, el(v0), *local(v0), jnp.zeros((), jnp.int32))
+    v, _, _, low, _, _ = jax.lax.while_loop(cond, body, carry)
+    return _Placement(v, low)
 
 
 def _log_c(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
-           rule: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array]:
-    """Per-element ``log c-hat_n`` ``(N,)`` by the rule at the placement, and the rest of
-    L_T (the sites outside the plate, which do not depend on the locals)."""
-    grid, corr = rule
+           rule: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple:
+    """Per-element ``log c-hat_n`` ``(N,)`` by the rule at the placement, the rest of L_T
+    (the sites outside the plate, which do not depend on the locals), and per element the
+    share of the rule's normalised weights at nodes where the log density is NaN (counted
+    as zero in ``log c-hat_n``: e.g. a log link's ``exp`` beyond float32's range; the
+    quadrature check counts them as the rule's Gaussian would)."""
+    grid, corr, log_w = rule
     grid = jnp.asarray(grid, u.dtype)
     log_det = jnp.sum(jnp.log(jnp.diagonal(place.low, axis1=1, axis2=2)), -1)  # (N,)
 
     def at(e: jax.Array) -> tuple[jax.Array, jax.Array]:
         shift = jax.vmap(lambda r: _solve_upper(r.T, e))(place.low)  # (N, d)
         _, el, rest = joint.log_density(u, place.mode + shift, t)
-        return jnp.where(jnp.isnan(el), -jnp.inf, el), rest
+        return el, rest
 
     el, rest = jax.vmap(at)(grid)  # (J, N), (J,)
+    lost = logsumexp(jnp.where(jnp.isnan(el), jnp.asarray(log_w, u.dtype)[:, None], -jnp.inf), 0)
+    el = jnp.where(jnp.isnan(el), -jnp.inf, el)
     log_c = logsumexp(el + jnp.asarray(corr, u.dtype)[:, None], axis=0) - log_det
-    return log_c, rest[0]
+    return log_c, rest[0], jnp.exp(lost)
 
 
 def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -> tuple:
@@ -190,13 +291,16 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
                             _placement(joint, frame, jax.lax.stop_gradient(u), t))
 
     def pieces(u: jax.Array, t: jax.Array) -> tuple:
-        el, rest = _log_c(joint, place(u, t), u, t, rule)
+        el, rest, _ = _log_c(joint, place(u, t), u, t, rule)
         return jnp.sum(el) + rest, el, rest
 
     def check(u: jax.Array) -> jax.Array:
         where = place(u, temperature)
-        coarse = jnp.sum(_log_c(joint, where, u, temperature, rule)[0])
-        return jnp.sum(_log_c(joint, where, u, temperature, fine)[0]) - coarse
+        coarse = _log_c(joint, where, u, temperature, rule)[0]
+        finer, _, lost = _log_c(joint, where, u, temperature, fine)
+        # the fine rule's nodes where the log density is NaN (counted as zero) are counted
+        # as the rule's Gaussian weighs them: log c_n is then higher by -log(1 - lost_n)
+        return jnp.sum(finer) - jnp.sum(jnp.log1p(-lost)) - jnp.sum(coarse)
 
     return _Target(init, log_prior, pieces), check
 

@@ -827,7 +827,11 @@ def _series_loop(
         start, m, s, s_grad, done = state
         k = start + ks
         lt = term_fn(k, params)
-        new_m = jnp.maximum(m, jnp.max(lt, axis=0))
+        # the running max is only a shift (it cancels): no derivative through it. Its
+        # forward-mode derivative (curvatures: jvp of the custom_jvp's rule) divides by the
+        # count of terms equal to the max, which XLA's fused recomputation of the terms
+        # (different rounding) can make 0: 0/0 = nan (a batch of 32 rates, issue 20)
+        new_m = lax.stop_gradient(jnp.maximum(m, jnp.max(lt, axis=0)))
         ref = jnp.where(jnp.isfinite(new_m), new_m, 0.0)
         w = jnp.exp(lt - ref)
         rescale = jnp.exp(m - ref)
@@ -1055,7 +1059,10 @@ def _poisson_asymptotic(rate: Array, t: Array) -> Array:
     c2 = (nu2 - 1.0) * (nu2 + 23.0) / 1152.0
     c3 = (nu2 - 1.0) * (5.0 * nu2 * nu2 - 298.0 * nu2 + 11237.0) / 414720.0
     series = 1.0 + (c1 + (c2 + c3 / x) / x) / x
-    return 0.5 * (1.0 - nu) * jnp.log(2.0 * math.pi * rate) + 0.5 * jnp.log(t) + jnp.log(series)
+    # log(2 pi) + log(r), not log(2 pi r): the product overflows float32 for finite rates
+    # r > 5.4e37 (a log link's eta > 86.88, reached by quadrature nodes on a funnel)
+    log_2pi_r = math.log(2.0 * math.pi) + jnp.log(rate)
+    return 0.5 * (1.0 - nu) * log_2pi_r + 0.5 * jnp.log(t) + jnp.log(series)
 
 
 @jax.jit
