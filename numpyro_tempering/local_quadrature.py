@@ -54,9 +54,12 @@ the share :math:`\ell_n` of the fine rule's weights at such nodes as the rule's 
 weighs them, adding :math:`-\log(1 - \ell_n)` (a NaN check, e.g. every node NaN, is flagged
 with its own warning).
 
-**Served** (``route="quadrature"``): models that :func:`~numpyro_tempering.joint_smc.unsupported`
-accepts, with ``d <= MAX_DIM`` (1) unconstrained local coordinates per element; larger
-``d`` runs the joint SMC. Measured (float32, defaults, N = 500, T in {1, 1.5, 3, 10},
+**Served** (the default ``route="auto"`` of
+:func:`~numpyro_tempering.partition_function.log_partition`, or ``route="quadrature"``):
+models that :func:`~numpyro_tempering.joint_smc.unsupported` accepts, with ``d <= MAX_DIM``
+(1) unconstrained local coordinates per element; larger ``d`` runs the joint SMC with
+``route="quadrature"`` and falls back to the nested Monte Carlo, with a warning, by default.
+Measured (float32, defaults, N = 500, T in {1, 1.5, 3, 10},
 ``benchmarks/log_partition_locals.py``, a shared 2-core machine): normal, log-normal and
 Gamma(3) locals (``tests/test_log_partition_locals.py``) all within 0.015 nats of the
 closed forms with standard errors 0.03-0.05, one SMC stage, measured quadrature errors

@@ -18,11 +18,11 @@ the evidence of a model with prior :math:`p(\beta)` (the globals) and log-likeli
 below, given the globals), estimated by blackjax's adaptive tempered SMC with R independent
 replicates (:mod:`numpyro_tempering.tempered_smc`, which says why blackjax's SMC and not our
 own). When **continuous local latents** (inside ``plate``) change the contributions, the
-SMC can integrate the locals too (opt-in for now, see :func:`log_partition`): with
-``route="quadrature"`` one-dimensional locals by adaptive Gauss-Hermite quadrature over each
-element's locals given the globals and SMC over the globals only
+SMC integrates the locals too (see :func:`log_partition`): by default (``route="auto"``,
+or ``route="quadrature"``) one-dimensional locals by adaptive Gauss-Hermite quadrature over
+each element's local given the globals and SMC over the globals only
 (:mod:`numpyro_tempering.local_quadrature`, Liu and Pierce 1994), with ``route="joint"`` by
-one SMC over both (:mod:`numpyro_tempering.joint_smc`). The target is
+one SMC over both (:mod:`numpyro_tempering.joint_smc`, opt-in, any dimension). The target is
 :math:`p(\beta)\prod_n \tilde p(z_n\mid\beta) e^{a_n(\beta, z_n, T)}` (a tempered latent
 local as its unnormalised :math:`p^{1/T}`), whose evidence is :math:`C(T)` (supplement
 eq. 1), and tempered SMC's evidence estimate is unbiased for it (Del Moral 2004; Chopin
@@ -30,8 +30,8 @@ and Papaspiliopoulos 2020; with the quadrature, for :math:`C(T)` with each eleme
 integral replaced by its rule, whose deterministic error is measured and reported) --
 unlike the nested average of eq. 7, whose log is low by many nats at realistic N. It falls
 back to ``method="prior"`` with a warning naming the reason for discrete globals, locals
-that matter without ``route="joint"``, discrete locals, ``plate=None`` with locals that
-matter, and subsampled plates, and returns the exact
+that matter of more than one dimension per element without ``route="joint"``, discrete
+locals, ``plate=None`` with locals that matter, and subsampled plates, and returns the exact
 value when the contributions do not depend on the globals. ``method="prior"`` is plain
 Monte Carlo over the globals drawn from the prior, described in the rest of this docstring;
 the per-element contributions :math:`\log c_n` are computed by the same code for all.
@@ -1360,26 +1360,29 @@ def log_partition(
     every tempered site, and when the contributions are the same for every draw of the
     globals (they do not depend on them) its exact value is returned instead (``method``
     ``"prior"``, ``stderr`` 0). Continuous local latents that change the contributions
-    are integrated with ``route="quadrature"`` (one-dimensional locals, per element on the
-    unconstrained space: adaptive Gauss-Hermite quadrature given the globals and tempered
-    SMC over the globals, :mod:`numpyro_tempering.local_quadrature`; the quadrature error is
-    measured, added to ``stderr`` and flagged above 0.02 nats, ``quadrature_error``; more
-    dimensions go to the joint SMC) or ``route="joint"`` (one SMC over globals and locals
-    jointly, :mod:`numpyro_tempering.joint_smc`); one run per temperature. Both are opt-in
-    for now: the quadrature meets the contract on Gaussian, log-normal and Gamma locals at
-    N = 500 in 32-49 s where the joint SMC misses it on the Gamma
-    (``tests/test_log_partition_locals.py``, ``benchmarks/log_partition_locals.py``), and
-    on a Poisson log link under a half-normal scale (a funnel) within 0.03 nats, where the
-    joint SMC is 1.3-2.9 nats low, but that model's first call takes 89-116 s (mostly XLA
-    compiling the runner); without them such models fall back to
-    ``method="prior"`` (nested Monte Carlo, supplement eq. 7: biased
-    low in log) with a warning that names the sites and the route. Models the SMC cannot
+    are integrated by default (``route="auto"`` or ``"quadrature"``): one-dimensional
+    locals (per element, on the unconstrained space) by adaptive Gauss-Hermite quadrature
+    given the globals and tempered SMC over the globals
+    (:mod:`numpyro_tempering.local_quadrature`; the quadrature error is measured, added to
+    ``stderr`` and flagged above 0.02 nats, ``quadrature_error``). ``route="joint"``
+    (opt-in, any dimension) runs one SMC over globals and locals jointly
+    (:mod:`numpyro_tempering.joint_smc`); both run one SMC per temperature. The quadrature
+    meets the contract on Gaussian, log-normal and Gamma locals at N = 500 in 32-49 s where
+    the joint SMC misses it on the Gamma (``tests/test_log_partition_locals.py``,
+    ``benchmarks/log_partition_locals.py``), and on a Poisson log link under a half-normal
+    scale (a funnel) within 0.03 nats, where the joint SMC is 1.3-2.9 nats low; that
+    model's first call takes 89-116 s (mostly XLA compiling the runner; 23-33 s once
+    compiled). Locals of more dimensions per element without ``route="joint"``, and routes
+    that do not integrate locals (``"ladder"``, ``"per-temperature"``), fall back to
+    ``method="prior"`` (nested Monte Carlo, supplement eq. 7: biased low in log) with a
+    warning that names the sites and the routes. Models the SMC cannot
     handle -- discrete globals, discrete locals, locals with ``plate=None``, subsampled
     plates -- fall back to ``method="prior"`` with a ``UserWarning`` naming the sites or the
     reason; a model without globals uses it directly (no outer integral).
 
     **Routes** (``"smc"``): with ``route="auto"`` a ladder of ``LADDER_MIN_RUNGS`` (8) or
-    more temperatures, all >= 1, is walked in **one sequential run** per replicate
+    more temperatures, all >= 1, is walked in **one sequential run** per replicate (not
+    with locals that matter)
     (``route="ladder"``, :mod:`numpyro_tempering.ladder_smc`: from the prior at T = 1
     through every rung in :math:`1/T`, log C read off at each); shorter ladders, or ones
     with T < 1, run one SMC per temperature (``route="per-temperature"``). On the paper's
@@ -1509,16 +1512,14 @@ def log_partition(
             f"`route`={route!r} integrates continuous local latents that change the "
             "per-element contributions; this model has none (use route='auto')."
         )
-    if locals_joint and not local_route:
+    if locals_joint and route not in ("auto", "joint", "quadrature"):
         _warn_fallback(
             f"local latent site(s) {list(structure.local_latents)} change the per-element "
-            "contributions; route='joint' integrates them by one SMC over globals and locals "
-            "(numpyro_tempering.joint_smc) and route='quadrature' one-dimensional ones by "
-            "adaptive Gauss-Hermite quadrature with SMC over the globals "
-            "(numpyro_tempering.local_quadrature), neither yet the default: the quadrature "
-            "meets the contract on Gaussian, log-normal and Gamma locals, where the joint "
-            "SMC misses it on the Gamma, and on a Poisson log link under a half-normal "
-            "scale (a funnel), where the joint SMC is flagged 2 nats low"
+            f"contributions, which route={route!r} does not integrate; route='auto' (or "
+            "'quadrature') integrates one-dimensional ones by adaptive Gauss-Hermite "
+            "quadrature with SMC over the globals (numpyro_tempering.local_quadrature) and "
+            "route='joint' any by one SMC over globals and locals "
+            "(numpyro_tempering.joint_smc)"
         )
         return prior()
     if locals_joint:
@@ -1535,8 +1536,18 @@ def log_partition(
             return prior()
         from numpyro_tempering.local_quadrature import MAX_DIM, local_dim
 
-        quadrature = route == "quadrature" and (
-            0 < local_dim(marked, args, kwargs, plate, global_names) <= MAX_DIM)
+        dim = local_dim(marked, args, kwargs, plate, global_names)
+        quadrature = route in ("auto", "quadrature") and 0 < dim <= MAX_DIM
+        if route == "auto" and not quadrature:
+            _warn_fallback(
+                f"local latent site(s) {list(structure.local_latents)} change the per-element "
+                f"contributions with {dim} unconstrained coordinates per element; the "
+                f"default quadrature over the locals serves at most {MAX_DIM}, and the joint "
+                "SMC over globals and locals (route='joint', numpyro_tempering.joint_smc) is "
+                "opt-in: on a Gamma local at N = 500 it took 160 s and erred by up to 0.5 "
+                "nats, with standard errors that cover it"
+            )
+            return prior()
     else:
         quadrature = False
     probe, _, constant = _prior_estimate(
@@ -1575,7 +1586,7 @@ def log_partition(
             f"{bad} are below 1: use route='per-temperature'."
         )
     ladder = route == "ladder" or (
-        route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS
+        route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS and not locals_joint
     )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,

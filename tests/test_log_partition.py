@@ -526,7 +526,7 @@ def test_single_inner_draw_warns_only_when_locals_matter():
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             log_partition(KEY, _scale_local_model, temps, x, num_samples=8, plate="data",
-                          **kwargs)
+                          method="prior", **kwargs)
         return [w for w in record if "local latent" in str(w.message)]
 
     (found,) = about_locals()

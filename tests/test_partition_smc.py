@@ -309,8 +309,9 @@ def test_local_latents_that_matter_fall_back_with_a_warning():
     def model(x):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
         with numpyro.plate("data", x.shape[0]):
-            z = numpyro.sample("z", dist.Normal(mu, 1.0))  # untempered local
-            numpyro.sample("x", dist.Normal(0.0, jnp.exp(z)), obs=x)
+            # an untempered local of two coordinates (the default's quadrature takes one)
+            z = numpyro.sample("z", dist.Normal(mu, 1.0).expand([2]).to_event(1))
+            numpyro.sample("x", dist.Normal(0.0, jnp.exp(z.sum(-1))), obs=x)
 
     with pytest.warns(UserWarning, match=r"local latent site\(s\) \['z'\] change the"):
         est = log_partition(KEY, model, [1.0, 2.0], jnp.zeros(3), plate="data", num_inner=4)
