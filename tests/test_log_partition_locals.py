@@ -238,32 +238,36 @@ POISSON_TEMPS = jnp.array([3.0, 10.0])
 
 @pytest.fixture(scope="module")
 def poisson_quadrature():
-    """One quadrature-route call on the Poisson funnel at two temperatures (shared)."""
+    """One default call (the quadrature route) on the Poisson funnel at two temperatures."""
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         est = log_partition(KEY, poisson_log_link, POISSON_TEMPS, jnp.zeros(4), plate="data",
-                            progress_bar=False, route="quadrature")
+                            progress_bar=False)
     return est, time.perf_counter() - start, [str(w.message) for w in record]
 
 
-def test_poisson_log_link_quadrature_meets_the_contract(poisson_quadrature):
-    """The funnel under route='quadrature': it gave NaN replicates (a node at a log rate in
-    (86.9, 88.7] made log Z = +inf at particles near s = e^3.5), and once that was fixed a
-    flagged quadrature error at T = 10 (the Newton step stuck at the funnel neck's
-    predictor put the nodes badly near s = e^1.25); now within the contract, unflagged,
-    with a measured quadrature error far below the tolerance."""
-    est, seconds, messages = poisson_quadrature
-    assert est.route == "quadrature"
-    exact = np.array([poisson_reference(float(t)) for t in POISSON_TEMPS])
-    check_contract(est, exact)
-    assert np.all(np.abs(est.quadrature_error) < 1e-3), est.quadrature_error
-    assert not any("cannot be trusted" in m for m in messages), messages
-    # not the contract's 90 s: XLA compiles this runner (a series normaliser inside the
-    # nodes, the Newton steps and the HMC gradients) for ~80 s (measured: 89 s a first call
-    # at four temperatures on an idle machine, 82 s before the fixes, which gave NaN;
-    # 104-116 s at these two temperatures while other jobs loaded the machine)
-    assert seconds < 180.0
+class TestPoissonFunnel:
+    """Its own work unit (pytest-xdist's loadscope): the funnel's compilation runs beside
+    the module's Gamma fixture, not after it."""
+
+    def test_poisson_log_link_quadrature_meets_the_contract(self, poisson_quadrature):
+        """The funnel by default (the quadrature route): it gave NaN replicates (a node at
+        a log rate in (86.9, 88.7] made log Z = +inf at particles near s = e^3.5), and once
+        that was fixed a flagged quadrature error at T = 10 (the Newton step stuck at the
+        funnel neck's predictor put the nodes badly near s = e^1.25); now within the
+        contract, unflagged, with a measured quadrature error far below the tolerance."""
+        est, seconds, messages = poisson_quadrature
+        assert est.route == "quadrature"
+        exact = np.array([poisson_reference(float(t)) for t in POISSON_TEMPS])
+        check_contract(est, exact)
+        assert np.all(np.abs(est.quadrature_error) < 1e-3), est.quadrature_error
+        assert not any("cannot be trusted" in m for m in messages), messages
+        # not the contract's 90 s: XLA compiles this runner (a series normaliser inside
+        # the nodes, the Newton steps and the HMC gradients) for ~80 s (measured: 89 s a
+        # first call at four temperatures on an idle machine, 82 s before the fixes, which
+        # gave NaN; 104-116 s at these two temperatures while other jobs loaded it)
+        assert seconds < 180.0
 
 
 def test_funnel_nodes_at_the_conditional_mode_and_nan_nodes_counted():
