@@ -130,6 +130,7 @@ __all__ = [
     "build_quadrature_runner",
     "local_dim",
     "nodes_per_dim",
+    "quadrature_flags",
 ]
 
 #: largest local dimension d (unconstrained coordinates per element) served by quadrature;
@@ -160,6 +161,11 @@ LOCAL_TOLERANCE = 1e-2
 #: log density (1/32: a start where the log density is nearly flat, whose Newton step is
 #: many conditional widths long, still moves towards the mode)
 LOCAL_FRACTIONS = (1.0, 0.5, 0.125, 1 / 32)
+
+
+def quadrature_flags(error: np.typing.ArrayLike) -> np.ndarray:
+    """Temperatures whose measured quadrature error is NaN or exceeds ``QUAD_TOLERANCE``."""
+    return ~(np.abs(np.asarray(error)) <= QUAD_TOLERANCE)
 
 
 def nodes_per_dim(dim: int) -> int:

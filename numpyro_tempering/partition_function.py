@@ -793,9 +793,9 @@ class LogPartitionEstimate(NamedTuple):
     def _missed_or_quadrature(self) -> np.ndarray | None:
         if self.quadrature_error is None:
             return self.missed_mass
-        from numpyro_tempering.local_quadrature import QUAD_TOLERANCE
+        from numpyro_tempering.local_quadrature import quadrature_flags
 
-        quad = ~(np.abs(np.asarray(self.quadrature_error)) <= QUAD_TOLERANCE)
+        quad = quadrature_flags(self.quadrature_error)
         return quad if self.missed_mass is None else quad | np.asarray(self.missed_mass)
 
     @property
@@ -989,14 +989,13 @@ def _smc_runner(
     settings: Any,
     per_element: bool,
     ladder: bool = False,
-    joint: bool = False,
-    quadrature: bool = False,
+    local: str | None = None,
 ) -> Any:
     """Compiled once per model, selection, budget and argument structure
     (:func:`_cached_jit`): ``(key, temps) -> SMCRun`` of the per-temperature route (with
-    ``joint``: the joint SMC over globals and locals, :mod:`numpyro_tempering.joint_smc`;
-    with ``quadrature`` too: quadrature over the locals and SMC over the globals,
-    :mod:`numpyro_tempering.local_quadrature`), or
+    ``local="joint"``: the joint SMC over globals and locals,
+    :mod:`numpyro_tempering.joint_smc`; ``local="quadrature"``: quadrature over the locals
+    and SMC over the globals, :mod:`numpyro_tempering.local_quadrature`), or
     with ``ladder`` the ``(init, advance)`` pair of
     :func:`~numpyro_tempering.ladder_smc.build_ladder_runner`."""
     from numpyro_tempering.joint_smc import build_joint_runner
@@ -1004,13 +1003,13 @@ def _smc_runner(
     from numpyro_tempering.local_quadrature import build_quadrature_runner
     from numpyro_tempering.tempered_smc import build_runner
 
-    extra = (plate, fallback, global_names, settings, per_element, joint, quadrature)
-    local_runner = build_quadrature_runner if quadrature else build_joint_runner
+    extra = (plate, fallback, global_names, settings, per_element, local)
+    per_temperature = {None: build_runner, "joint": build_joint_runner,
+                       "quadrature": build_quadrature_runner}[local]
 
     def compiled(tag: str, pick: Callable, options: dict | None) -> Callable:
         def make(marked: Callable, a: tuple, k: dict) -> Callable:
-            build = (build_ladder_runner if ladder
-                     else local_runner if joint else build_runner)
+            build = build_ladder_runner if ladder else per_temperature
             return pick(build(marked, a, k, plate, fallback, global_names, settings,
                               per_element))
 
@@ -1023,7 +1022,7 @@ def _smc_runner(
         # particle run 2.5x slower at level 0 (gamma local, N = 500: 36 s against 14 s a
         # call, for a compile that is no longer): XLA's default level, asked for explicitly
         # (so that a process-wide XLA_FLAGS level 0, as in the test suite, does not apply)
-        options = QUAD_COMPILER_OPTIONS if joint and quadrature else SMC_COMPILER_OPTIONS
+        options = QUAD_COMPILER_OPTIONS if local == "quadrature" else SMC_COMPILER_OPTIONS
         return compiled("smc", lambda run: run, options)
     # the ladder's stage loop: default optimisation (level 0 made it 6x slower for a 10%
     # shorter compile)
@@ -1110,7 +1109,7 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
             "the standard error is raised to at least the shortfall"
         )
     if est.quadrature_error is not None:
-        from numpyro_tempering.local_quadrature import QUAD_TOLERANCE
+        from numpyro_tempering.local_quadrature import QUAD_TOLERANCE, quadrature_flags
 
         quad = np.asarray(est.quadrature_error)
         if np.any(lost := flagged & np.isnan(quad)):
@@ -1119,7 +1118,7 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
                 "locals is NaN (the model's log density is NaN at every quadrature node of "
                 "an element at some final particle): the quadrature error is unknown"
             )
-        if np.any(inexact := flagged & np.isfinite(quad) & ~(np.abs(quad) <= QUAD_TOLERANCE)):
+        if np.any(inexact := flagged & np.isfinite(quad) & quadrature_flags(quad)):
             reasons.append(
                 f"at T = {_rounded(temps[inexact][show], 4)} the quadrature over the locals "
                 f"changes log C by {_rounded(quad[inexact][show], 3)} nats with twice the "
@@ -1234,8 +1233,7 @@ def _smc_estimate(
     fallback: Fallback,
     progress_bar: bool = False,
     ladder: bool = False,
-    joint: bool = False,
-    quadrature: bool = False,
+    local: str | None = None,
 ) -> LogPartitionEstimate:
     from numpyro_tempering.tempered_smc import combine, missed_mass
 
@@ -1254,7 +1252,7 @@ def _smc_estimate(
             lambda v: np.take(v, back, axis=0 if np.ndim(v) == 1 else 1), out
         )
     else:
-        out = _run_in_chunks(_smc_runner(*runner_args, joint=joint, quadrature=quadrature),
+        out = _run_in_chunks(_smc_runner(*runner_args, local=local),
                              rng_key, temps, progress_bar)
         behind = np.asarray(out.num_stages)
     one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
@@ -1300,8 +1298,7 @@ def _smc_estimate(
         tempering_param=np.where(one, 1.0, np.asarray(out.tempering_param).min(0)),
         prior_log_c=prior_log_c,
         missed_mass=missed,
-        route=("ladder" if ladder else "quadrature" if joint and quadrature
-               else "joint" if joint else "per-temperature"),
+        route="ladder" if ladder else local or "per-temperature",
         quadrature_error=quad_error,
     )
 
@@ -1538,6 +1535,7 @@ def log_partition(
 
         dim = local_dim(marked, args, kwargs, plate, global_names)
         quadrature = route in ("auto", "quadrature") and 0 < dim <= MAX_DIM
+        local = "quadrature" if quadrature else "joint"
         if route == "auto" and not quadrature:
             _warn_fallback(
                 f"local latent site(s) {list(structure.local_latents)} change the per-element "
@@ -1549,7 +1547,7 @@ def log_partition(
             )
             return prior()
     else:
-        quadrature = False
+        local = None
     probe, _, constant = _prior_estimate(
         random.fold_in(rng_key, 2),
         model,
@@ -1590,8 +1588,7 @@ def log_partition(
     )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,
-        kwargs, global_names, settings, plate, fallback, progress_bar, ladder, locals_joint,
-        quadrature,
+        kwargs, global_names, settings, plate, fallback, progress_bar, ladder, local,
     )
     _warn_untrusted_smc(est, settings.max_stages)
     return est

@@ -156,6 +156,43 @@ def test_the_rule_is_exact_for_a_gaussian_conditional():
         np.testing.assert_allclose(np.asarray(log_c), exact, atol=2e-5)
 
 
+W = 0.8  # width of the per-element factor below
+
+
+def factor_local(x):
+    """normal_local with an untempered per-element factor on the local (excluded from
+    tempering: an importance weight inside each element's integral)."""
+    beta = numpyro.sample("beta", dist.Normal(0.0, TAU))
+    with numpyro.plate("data", x.shape[0]):
+        z = numpyro.sample("z", dist.Normal(beta, S))
+        numpyro.factor("pull", -0.5 * (z / W) ** 2)
+        numpyro.sample("x", dist.Normal(0.0, jnp.exp(z)), obs=x)
+
+
+def test_an_untempered_factor_on_the_local_is_inside_each_elements_integral():
+    """numpyro.factor inside the plate, excluded from tempering: the element's integrand is
+    N(z; beta, S) e^{-z^2 / 2W^2} e^{c z} (times the tempered normaliser's constant), a
+    Gaussian of precision P = 1/S^2 + 1/W^2 and mean b / P, b = beta / S^2 + c; the rule at
+    that mode and curvature gives log c_n = c/2 log 2 pi + log(T)/2 - log(S sqrt(P)) +
+    b^2 / 2P - beta^2 / 2S^2 exactly."""
+    from numpyro_tempering.handlers import Selection
+    from numpyro_tempering.partition_function import _marked
+
+    marked = _marked(factor_local, Selection.of(exclude="pull"))
+    joint = local_quadrature._joint(marked, (jnp.zeros(3),), {}, "data", None, ("beta",), KEY)
+    t, beta = jnp.asarray(3.0), 0.05
+    c = 1.0 - 1.0 / float(t)
+    prec = 1.0 / S**2 + 1.0 / W**2
+    b = beta / S**2 + c
+    place = local_quadrature._Placement(jnp.full((3, 1), b / prec),
+                                        jnp.full((3, 1, 1), math.sqrt(prec)))
+    log_c = jax.jit(lambda u: local_quadrature._log_c(
+        joint, place, u, t, local_quadrature._rule(3, 1))[0])(jnp.array([beta]))
+    exact = (0.5 * c * math.log(2 * math.pi) + 0.5 * math.log(float(t))
+             - math.log(S * math.sqrt(prec)) + b**2 / (2 * prec) - beta**2 / (2 * S**2))
+    np.testing.assert_allclose(np.asarray(log_c), exact, atol=2e-5)
+
+
 def test_log_c_one_is_zero(gamma_estimate):
     est, _ = gamma_estimate
     assert float(est.log_c[0]) == 0.0 and float(est.stderr[0]) == 0.0
