@@ -38,8 +38,11 @@ SCRIPT = textwrap.dedent(
     mvi = lda_svi.Multicanonical(ladder.temperatures, ladder.log_prior,
                                  lda_svi.document_log_partition(0, ladder.temperatures, 3, 40))
     out = {}
+    # the normaliser following the topics: its refresh rule reads the words per rung, a
+    # log-sum-exp over the devices
+    follow = lda_svi.Multicanonical(ladder.temperatures, ladder.log_prior, refresh=0.0)
     for name, temperature, dtype in (("svi64", 1.0, "float64"), ("avi32", 3.0, "float32"),
-                                     ("mvi64", mvi, "float64")):
+                                     ("mvi64", mvi, "float64"), ("follow64", follow, "float64")):
         one = lda_svi.fit(corpus, 3, temperature=temperature, dtype=dtype, **kw)
         eight = lda_svi.fit(corpus, 3, temperature=temperature, dtype=dtype, mesh=8, **kw)
         out[name] = {
@@ -50,6 +53,7 @@ SCRIPT = textwrap.dedent(
             "temps": [one.temperatures.tolist(), eight.temperatures.tolist()],
             "dtype": str(eight.lam.dtype),
             "devices": len(eight.state.lam.sharding.device_set),
+            "rungs": [one.log_c_rungs, eight.log_c_rungs],
         }
     print(json.dumps(out))
     """
@@ -66,11 +70,13 @@ def mesh_run():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name, rtol", [("svi64", 1e-10), ("mvi64", 1e-10), ("avi32", 1e-4)])
+@pytest.mark.parametrize("name, rtol", [("svi64", 1e-10), ("mvi64", 1e-10), ("avi32", 1e-4),
+                                        ("follow64", 1e-10)])
 def test_eight_devices_equal_one(mesh_run, name, rtol):
     """lambda after 4 updates (a minibatch of 50 split 7 per device with padding, a short last
-    batch): float64 to 1e-10 relative; float32 to 1e-4 (summation order: 4 steps of sums of
-    ~50 terms, each rounded at ~6e-8 relative, amplified mildly by the digamma feedback)."""
+    batch; with the normaliser following the topics, the same rung tables recomputed):
+    float64 to 1e-10 relative; float32 to 1e-4 (summation order: 4 steps of sums of ~50
+    terms, each rounded at ~6e-8 relative, amplified mildly by the digamma feedback)."""
     run = mesh_run[name]
     assert run["devices"] == 8
     assert run["steps"] == [4, 4]
@@ -78,6 +84,7 @@ def test_eight_devices_equal_one(mesh_run, name, rtol):
     assert run["moved"] > 1e-2  # the fits really moved lambda away from its initialisation
     assert run["rel"] < rtol
     np.testing.assert_allclose(run["temps"][0], run["temps"][1], rtol=max(rtol, 1e-12))
+    assert run["rungs"][0] == run["rungs"][1]  # the same rung tables recomputed
 
 
 def test_as_mesh_validates():

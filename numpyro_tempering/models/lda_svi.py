@@ -95,6 +95,7 @@ __all__ = [
     "OnlineLDAState",
     "LENGTH_BINS",
     "RISK_WINDOW",
+    "PROBE_EVERY",
     "StepInfo",
     "digamma_positive",
     "document_log_partition",
@@ -232,14 +233,23 @@ class Multicanonical(NamedTuple):
     sum stays below ``tolerance`` times the words (:math:`a_m` and the words averaged over
     the latest :data:`RISK_WINDOW` updates: minibatches are drawn at random, so these
     estimate the next ones' under the current topics; :math:`L_d` rounded up to
-    :math:`2^{b+1} - 1`, :attr:`StepInfo.rung_words`); the others are recomputed. A rung
-    no document uses (the hot ones, once the fit has cooled) waits until its bracket is
-    wide enough to matter; 0 recomputes every rung at every refresh.
+    :math:`2^{b+1} - 1`, :attr:`StepInfo.log_rung_words`); the others are recomputed. A
+    rung no document uses (the hot ones, once the fit has cooled) waits until its bracket
+    is wide enough to matter; all of it in log space, so that a rung whose :math:`q(y_d =
+    m)` is :math:`e^{-5000}` (below any float) with a bracket of :math:`e^{1000}` is known
+    to be safe, not recomputed for an overflow; 0 recomputes every rung at every refresh.
     ``FitResult.log_c_rungs`` counts the rung computations.
 
     ``anchors``: the number of rungs each document is fitted at (:func:`local_step`):
     evenly spaced along the ladder, T = 1 and the hottest included; the cost of the local
-    step grows with it.
+    step grows with it. Once the fit has cooled the hot anchors serve (almost) nothing: an
+    update that fits every anchor (a *probe*: the first, then every
+    :data:`PROBE_EVERY`-th) measures the share of the minibatch's :math:`q(y_d)` that the
+    anchors other than T = 1 serve (:attr:`StepInfo.hot_share`), and while the latest probe
+    found it below ``tolerance`` the updates in between fit the T = 1 anchor alone (every
+    rung then takes its tangent). That moves at most about ``tolerance`` of the topic
+    statistics, as the stale rungs above may, and costs one local fit instead of
+    ``anchors``; ``tolerance = 0`` fits every anchor at every update.
 
     :meth:`paper` gives the paper's ladder: 100 temperatures from 1 to 10 on a geometric
     scale, uniform prior and uniform initial :math:`q(y_d)` (Mandt et al. 2016, section 4).
@@ -291,25 +301,32 @@ class Multicanonical(NamedTuple):
 LENGTH_BINS = 24
 #: the refresh rule averages the words at risk over this many latest updates
 RISK_WINDOW = 4
+#: while the hot anchors serve less than ``Multicanonical.tolerance``, every this-many-th
+#: update still fits them (a probe), so that a fit that heats up again is seen
+PROBE_EVERY = 8
 
 
 def _length_bin(length):
-    """Row of :attr:`StepInfo.rung_words` for documents of ``length`` words."""
+    """Row of :attr:`StepInfo.log_rung_words` for documents of ``length`` words."""
     return jnp.clip(jnp.floor(jnp.log2(length + 1.0)), 0, LENGTH_BINS - 1).astype(jnp.int32)
 
 
 class StepInfo(NamedTuple):
     """Per-update record: the step size ``rho``; ``temperature``: T (AVI) or the mean over
     the minibatch's documents of :math:`\\mathbb E_{q(y_d)}[T]` (MVI); ``iterations``: mean
-    local sweeps per document (MVI: summed over its anchor fits); ``rung_words``
-    (:data:`LENGTH_BINS`, M): :math:`\\sum_d q(y_d = m) L_d` over the minibatch's
+    local sweeps per document (MVI: summed over its anchor fits); ``hot_share``: the
+    minibatch mean of the :math:`q(y_d)` mass on rungs served by anchors other than
+    T = 1 (MVI; 0 when only the T = 1 anchor was fitted, or not MVI); ``log_rung_words``
+    (:data:`LENGTH_BINS`, M): :math:`\\log\\sum_d q(y_d = m) L_d` over the minibatch's
     documents of length :math:`2^b \\le L_d + 1 < 2^{b+1}` in row b (the last row also
-    every longer one); M = 0 unless MVI."""
+    every longer one; :math:`-\\infty` for an empty bin), computed in log space so that a
+    rung's share below the float range is kept; M = 0 unless MVI."""
 
     rho: jax.Array
     temperature: jax.Array
     iterations: jax.Array
-    rung_words: jax.Array
+    log_rung_words: jax.Array
+    hot_share: jax.Array
 
 
 class LocalResult(NamedTuple):
@@ -318,6 +335,8 @@ class LocalResult(NamedTuple):
     inv_temperature: jax.Array  # (B,)
     iterations: jax.Array  # (B,)
     q_y: jax.Array | None  # (B, M) for MVI
+    log_q_y: jax.Array | None = None  # (B, M) for MVI: log q(y_d = m), below float range too
+    hot_mass: jax.Array | None = None  # (B,) for MVI: q(y_d) mass served by the hot anchors
 
 
 # -- building blocks ---------------------------------------------------------------------------
@@ -527,11 +546,11 @@ def _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc):
 
 
 def _local_bound(cfg, elog_w, counts, gamma, inv_t, row_doc):
-    r"""Per document, at its own fixed :math:`h = 1/T` and fitted :math:`q(	heta) =
+    r"""Per document, at its own fixed :math:`h = 1/T` and fitted :math:`q(\theta) =
     \mathrm{Dir}(\gamma)` with the optimal :math:`q(z)`: the tempered local bound
-    :math:`B = \mathbb E\log p(	heta) - \mathbb E\log q(	heta) + \sum_v n_v
-    \log\sum_k e^{h(\mathbb E\log	heta_k + \mathbb E\logeta_{kv})}` and its slope in
-    :math:`h`, :math:`\ell = \mathbb E_q[\log p(w, z\mid	heta,eta)]`."""
+    :math:`B = \mathbb E\log p(\theta) - \mathbb E\log q(\theta) + \sum_v n_v
+    \log\sum_k e^{h(\mathbb E\log\theta_k + \mathbb E\log\beta_{kv})}` and its slope in
+    :math:`h`, :math:`\ell = \mathbb E_q[\log p(w, z\mid\theta,\beta)]`."""
     num = gamma.shape[0]
     k = gamma.shape[1]
     elog_theta = expected_log_dirichlet(gamma)
@@ -553,32 +572,37 @@ def _local_bound(cfg, elog_w, counts, gamma, inv_t, row_doc):
 def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     r"""The multicanonical local step with one local fit per anchor temperature (see
     :func:`local_step`): returns gamma (of each document's heaviest anchor), the
-    statistics :math:`\sum_m r_m h_m n\phi_{j(m)}`, :math:`\mathbb E_r[1/T]`, the sweeps and
-    :math:`r`."""
+    statistics :math:`\sum_m r_m h_m n\phi_{j(m)}`, :math:`\mathbb E_r[1/T]`, the sweeps,
+    :math:`r` and :math:`\log r`, and the mass the anchors other than the first serve."""
     inv_temps, log_pi, anchors, log_c = ladder
     batch, num_anchors = gamma0.shape[0], anchors.shape[0]
     score_w = elog_w if score_w is None else score_w
-    fits = []
-    for j in range(num_anchors):  # one loop per anchor: each stops at its own slowest
+
+    def fit(j):
         inv_t = jnp.full((batch,), anchors[j])
         gamma_j, sstats_j, iters_j = _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc)
-        fits.append((gamma_j, sstats_j, iters_j,
-                     *_local_bound(cfg, score_w, counts, gamma_j, inv_t, row_doc)))
+        return (gamma_j, sstats_j, iters_j,
+                *_local_bound(cfg, score_w, counts, gamma_j, inv_t, row_doc))
+
+    # one loop per anchor: each stops at its own slowest
+    fits = [fit(j) for j in range(num_anchors)]
     gamma, sstats, iters, bound, ell = (jnp.stack(x) for x in zip(*fits, strict=True))
     # tangent of anchor j at rung m: a lower bound on rung m's best local bound
     tangents = bound[..., None] + (inv_temps - anchors[:, None])[:, None, :] * ell[..., None]
     best = jnp.argmax(tangents, axis=0)  # (B, M): the anchor serving each rung
-    r = posterior_from_arrays(jnp.max(tangents, axis=0), log_pi, inv_temps, log_c).probs
+    value = jnp.max(tangents, axis=0)
+    r = posterior_from_arrays(value, log_pi, inv_temps, log_c).probs
+    logits = value + log_pi - log_c
+    log_r = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     served = best[None] == jnp.arange(num_anchors)[:, None, None]  # (J, B, M)
     weight = jnp.sum(jnp.where(served, r * inv_temps, 0.0), axis=-1)  # (J, B)
     row_weight = jnp.take(weight / anchors[:, None], jnp.minimum(row_doc, batch - 1), axis=1)
     row_weight = jnp.where(row_doc[None, :] < batch, row_weight, 0.0)  # (J, R)
     stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats)
     mass = jnp.sum(jnp.where(served, r, 0.0), axis=-1)  # (J, B)
-    heaviest = jnp.argmax(mass, axis=0)
-    gamma = gamma[heaviest, jnp.arange(batch)]
-    iters = jnp.sum(iters, axis=0)
-    return LocalResult(gamma, stats, r @ inv_temps, iters, r)
+    gamma = gamma[jnp.argmax(mass, axis=0), jnp.arange(batch)]
+    return LocalResult(gamma, stats, r @ inv_temps, jnp.sum(iters, axis=0), r, log_r,
+                       jnp.sum(mass[1:], axis=0))
 
 
 def local_step(
@@ -692,7 +716,8 @@ class _Stats(NamedTuple):
     sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
-    rung_words: jax.Array  # (LENGTH_BINS, M): sum of q(y_d = m) L_d by length bin (MVI)
+    log_rung_words: jax.Array  # (LENGTH_BINS, M): log sum of q(y_d = m) L_d by length bin
+    hot_mass: jax.Array  # sum over real documents of the q(y_d) mass the hot anchors serve
 
 
 def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
@@ -706,19 +731,22 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
-        rung_words = jax.ops.segment_sum(jnp.where(real, length, 0)[:, None] * local.q_y,
-                                         _length_bin(length), LENGTH_BINS)
+        log_words = jnp.where(real, jnp.log(length), -jnp.inf)[:, None] + local.log_q_y
+        log_rung_words = _segment_logsumexp(log_words, _length_bin(length), LENGTH_BINS)
+        hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
     else:
         t = jnp.asarray(temperature, dtype)
         local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
-        rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
+        log_rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
+        hot_mass = jnp.zeros((), dtype)
     k = cfg.num_topics
     sstats = jnp.zeros((cfg.vocab_size, k), dtype).at[jnp.ravel(ids)].add(
         local.sstats.reshape(-1, k)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
-    return (_Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), rung_words),
+    return (_Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), log_rung_words,
+                   hot_mass),
             local.gamma)
 
 
@@ -737,7 +765,7 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     new_lam = (1 - rho) * lam + rho * lam_hat
     iters = stats.sum_iters.astype(dtype) / num_real
     return (OnlineLDAState(new_lam, state.step + 1),
-            StepInfo(rho, mean_t, iters, stats.rung_words))
+            StepInfo(rho, mean_t, iters, stats.log_rung_words, stats.hot_mass / num_real))
 
 
 # -- fitting -----------------------------------------------------------------------------------
@@ -780,6 +808,14 @@ def _as_schedule(temperature) -> Callable | None:
         raise ValueError(f"`temperature` must be a finite T > 0, a schedule or a "
                          f"Multicanonical ladder, got {temperature!r}.")
     return lambda step: jnp.full(jnp.shape(step), t)
+
+
+def _segment_logsumexp(x: jax.Array, segment: jax.Array, num: int) -> jax.Array:
+    """(num, M): the log-sum-exp of the rows of ``x`` (N, M) in each ``segment`` (N,);
+    -inf for an empty one."""
+    top = jax.ops.segment_max(x, segment, num)
+    top = jax.lax.stop_gradient(jnp.where(jnp.isfinite(top), top, 0.0))
+    return top + jnp.log(jax.ops.segment_sum(jnp.exp(x - top[segment]), segment, num))
 
 
 def _corpus_step(cfg, state, all_ids, all_counts, all_log_c, batch, rows, row_doc, batch_docs,
@@ -838,7 +874,13 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
             temperature = (*temperature, all_log_c[batch])
         stats, gamma = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature,
                                    gamma0, row_doc)
-        return jax.lax.psum(stats, _DATA_AXIS), gamma
+        log_words = stats.log_rung_words  # a log of a sum: log-sum-exp over devices
+        top = jax.lax.stop_gradient(jax.lax.pmax(log_words, _DATA_AXIS))
+        top = jnp.where(jnp.isfinite(top), top, 0.0)
+        log_words = top + jnp.log(jax.lax.psum(jnp.exp(log_words - top), _DATA_AXIS))
+        stats = jax.lax.psum(stats._replace(log_rung_words=jnp.zeros_like(log_words)),
+                             _DATA_AXIS)
+        return stats._replace(log_rung_words=log_words), gamma
 
     data, rep = P(_DATA_AXIS), P()
     stats, gamma = jax.shard_map(
@@ -1108,6 +1150,13 @@ def fit(
                *padded(batches[0], doc_shards[0], rows[0]),
                put(np.zeros((padded_size, num_topics), dtype), True), temps_in[0])
     compiled, compile_seconds = _compiled_step(cfg, example, mesh)
+    # MVI: the update that fits the T = 1 anchor alone, between probes (Multicanonical)
+    skip_hot = schedule is None and temperature.tolerance > 0 and ladder[2].shape[0] > 1
+    if skip_hot:
+        cold_only = put((*ladder[:2], ladder[2][:1]), False)
+        cold_step, seconds = _compiled_step(cfg, (*example[:-1], cold_only), mesh)
+        compile_seconds += seconds
+        hot_share, since_probe = math.inf, 0
 
     bar = progress(num_steps, progress_bar)
     infos = []
@@ -1121,16 +1170,24 @@ def fit(
             jax.block_until_ready(state.lam)
             tick = time.perf_counter()
             window = infos[-RISK_WINDOW:]  # the latest documents, under recent topics
-            words = np.mean(np.stack([np.asarray(x.rung_words) for x in window]), axis=0)
-            all_log_c = put(jnp.asarray(normaliser.table(state.lam, words), dtype), False)
+            log_words = np.stack([np.asarray(x.log_rung_words, np.float64) for x in window])
+            log_words = _np_logsumexp(log_words, axis=0) - math.log(len(window))
+            all_log_c = put(jnp.asarray(normaliser.table(state.lam, log_words), dtype), False)
             log_c_seconds += time.perf_counter() - tick
-        state, info, gamma = compiled(state, all_ids, all_counts, all_log_c,
-                                      *padded(docs, sh, doc_rows), first_gamma(sh), temp)
+        step = compiled
+        if skip_hot:
+            probe = hot_share >= temperature.tolerance or since_probe + 1 >= PROBE_EVERY
+            step, temp = (compiled, temp) if probe else (cold_step, cold_only)
+        state, info, gamma = step(state, all_ids, all_counts, all_log_c,
+                                  *padded(docs, sh, doc_rows), first_gamma(sh), temp)
+        if skip_hot:
+            hot_share, since_probe = ((float(info.hot_share), 0) if probe
+                                      else (hot_share, since_probe + 1))
         if warm_start:
             gammas = _keep_gamma(gammas, jnp.asarray(sh.reshape(-1)), gamma, num_docs)
         infos.append(info)
         if follow_topics:
-            moved += float(learning_rate(first_step + i, cfg.tau, cfg.kappa))
+            moved += (cfg.tau + first_step + i + 1) ** -cfg.kappa  # learning_rate, on the host
         if bar is not None:
             bar.update(1)
     lam = np.asarray(jax.block_until_ready(state.lam))
@@ -1156,16 +1213,26 @@ def _keep_gamma(gammas, docs, gamma, num_docs):
         gamma.astype(gammas.dtype), mode="drop")
 
 
-def _rungs_to_refresh(words: np.ndarray, bound: np.ndarray, max_length: int,
+def _rungs_to_refresh(log_words: np.ndarray, bound: np.ndarray, max_length: int,
                       tolerance: float) -> np.ndarray:
     """The rungs to recompute: all but those with the smallest words at risk
     :math:`a_m` (:class:`Multicanonical`, ``tolerance``) whose sum stays within
-    ``tolerance`` times the words."""
+    ``tolerance`` times the words; ``log_words`` (:data:`LENGTH_BINS`, M) is
+    :math:`\\log\\sum_d q(y_d = m) L_d` by length bin, and :math:`a_m` is formed in log
+    space (NaN: recomputed)."""
+    if tolerance <= 0:
+        return np.arange(bound.shape[1])
     longest = np.minimum(2 ** np.arange(1, LENGTH_BINS + 1) - 1, max_length)
     longest[-1] = max_length
-    ratio = words / np.maximum(np.sum(words), np.finfo(np.float64).tiny)
-    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0 -> nan: recomputed
-        at_risk = np.sum(ratio * np.expm1(2 * bound[longest]), axis=0)
+    log_total = _np_logsumexp(log_words.reshape(-1), axis=0)
+    if log_total == -np.inf:  # no words at all: nothing at risk
+        return np.arange(0)
+    log_ratio = log_words - log_total
+    two_e = 2 * bound[longest]
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        # log(e^{2e} - 1) = 2e + log(1 - e^{-2e}); -inf where the bracket is 0
+        log_expm1 = two_e + np.log(-np.expm1(-two_e))
+        at_risk = np.exp(_np_logsumexp(log_ratio + log_expm1, axis=0))
     at_risk = np.where(np.isnan(at_risk), np.inf, at_risk)
     order = np.argsort(at_risk, kind="stable")
     stale = np.cumsum(at_risk[order]) <= tolerance
@@ -1190,14 +1257,15 @@ class _Normaliser:
                                      "Dirichlet parameters are not finite and > 0.")
         return lda_partition.fitted_topic_log_sums(lam, self.mc.temperatures, self.mc.topics)
 
-    def table(self, lam, rung_words: np.ndarray | None = None) -> np.ndarray:
-        """(D + 1, M) at the topics ``lam``; ``rung_words`` (LENGTH_BINS, M): a minibatch's
-        sum of q(y_d = m) L_d by length bin, lately (``None``: recompute every rung)."""
+    def table(self, lam, log_words: np.ndarray | None = None) -> np.ndarray:
+        """(D + 1, M) at the topics ``lam``; ``log_words`` (LENGTH_BINS, M): the log of a
+        minibatch's sum of q(y_d = m) L_d by length bin, lately (``None``: recompute every
+        rung)."""
         log_b = self._log_b(lam)
         rungs = np.arange(log_b.shape[0])
-        if self.exact is not None and rung_words is not None:
+        if self.exact is not None and log_words is not None:
             _, bound = lda_partition.stale_table(self.exact, log_b)
-            rungs = _rungs_to_refresh(np.asarray(rung_words, np.float64), bound,
+            rungs = _rungs_to_refresh(np.asarray(log_words, np.float64), bound,
                                       self.max_length, self.mc.tolerance)
         self.exact = lda_partition.exact_table(log_b, self.mc.temperatures, self.alpha,
                                                self.max_length, previous=self.exact,
@@ -1370,4 +1438,6 @@ def document_log_partition(
 
 def _np_logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
     m = np.max(x, axis=axis, keepdims=True)
-    return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
+    m = np.where(np.isfinite(m), m, 0.0)  # all -inf: -inf, not NaN
+    with np.errstate(divide="ignore"):
+        return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
