@@ -268,14 +268,14 @@ def test_refresh_recomputes_only_the_rungs_that_can_matter():
     _, bound = lp.stale_table(norm.exact, log_b)
     assert np.all(np.abs(stale - exact) <= bound[lengths] + 1e-9)  # ... and within the bracket
     assert np.max(bound[lengths]) > 1e-3
-    fresh = norm.table(moved, np.zeros((lda_svi.LENGTH_BINS, 6)))  # log 1
+    fresh = norm.table(moved, np.zeros((lda_svi.LENGTH_BINS, 6)), 1.0)  # log 1 of 1 word
     assert norm.rungs == 6 + 5
     np.testing.assert_allclose(fresh, exact, atol=1e-10)
 
 
 def test_refresh_rule_in_log_space_keeps_a_rung_below_the_float_range_stale():
     """A rung whose words are e^-5000 of the minibatch's (q(y_d = m) below any float) with
-    a bracket of 500 nats moves e^-4000 of the statistics: stale, not recomputed for an
+    a bracket of 500 nats moves e^-4500 of the statistics: stale, not recomputed for an
     overflow (in linear space 0 * inf); the same rung with e^-1 of the words is recomputed,
     a bracket of 0 (T = 1) is not, unless the tolerance is 0 (every rung)."""
     bins = lda_svi.LENGTH_BINS
@@ -283,10 +283,10 @@ def test_refresh_rule_in_log_space_keeps_a_rung_below_the_float_range_stale():
     log_words[5] = [0.0, -5000.0, -5000.0]
     bound = np.zeros((101, 3))
     bound[:, 1:] = 5.0 * np.arange(101)[:, None]  # 500 nats at 100 words
-    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.01).tolist() == []
+    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.01, 1.0).tolist() == []
     log_words[5, 2] = -1.0
-    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.01).tolist() == [2]
-    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.0).tolist() == [0, 1, 2]
+    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.01, 1.0).tolist() == [2]
+    assert lda_svi._rungs_to_refresh(log_words, bound, 100, 0.0, 1.0).tolist() == [0, 1, 2]
 
 
 def test_lazy_refresh_follows_the_full_refresh():

@@ -327,6 +327,43 @@ def test_multicanonical_q_y_is_eq18_over_anchor_fits(tiny, topics):
         assert float(out.inv_temperature[d]) == pytest.approx(float(r @ (1 / temps)))
 
 
+@pytest.mark.parametrize("anchors", [[1.0], [1.0, 2.0, 4.0]])
+def test_a_stale_rung_moves_the_statistics_within_the_refresh_rule(tiny, anchors):
+    """An error eps in one rung's log C_d moves document d's statistics by exactly
+    q(y_d = m) c (h_m n phi_j(m) - S_d), |c| <= e^|eps| - 1, so by at most
+    q(y_d = m)(e^|eps| - 1) w_dm L_d (lda_svi.Multicanonical, ``tolerance``): checked by
+    recomputing the step with rung m's log C moved by +-eps; with one anchor the bound is
+    attained up to the factor 1 / (1 + q (e^-eps - 1))."""
+    corpus, _ = tiny
+    temps = np.array([1.0, 1.5, 2.0, 3.0, 4.0])
+    anchors = np.array(anchors)
+    log_pi = np.log(np.full(5, 0.2))
+    log_c = np.outer(corpus.lengths[:6], [0.0, 0.3, 0.5, 0.7, 0.9])
+    lengths = corpus.lengths[:6]
+    with jax.enable_x64(True):
+        cfg = lda_svi.config(K, V, 100, tol=1e-12, max_doc_iter=500)
+        lam = jnp.asarray(lda_svi.init_state(0, K, V, jnp.float64).lam)
+        ids, cnts = jnp.asarray(corpus.ids[:6]), jnp.asarray(corpus.counts[:6], float)
+
+        def step(log_c):
+            return _local(cfg, lam, ids, cnts, jnp.ones((6, K)),
+                          (1.0 / temps, log_pi, 1.0 / anchors, log_c))
+
+        base = step(log_c)
+        q, w = np.asarray(base.q_y), np.asarray(base.moves)
+        for m in range(5):
+            for eps in (0.4, -0.4):
+                moved = step(log_c + eps * (np.arange(5) == m))
+                change = np.abs(np.asarray(moved.sstats) - np.asarray(base.sstats))
+                change = change.sum(axis=(1, 2))
+                bound = q[:, m] * np.expm1(abs(eps)) * w[:, m] * lengths
+                assert np.all(change <= bound * (1 + 1e-9) + 1e-12)
+                if anchors.size == 1:  # exact: |c| = |e^-eps - 1| / (1 + q (e^-eps - 1))
+                    c = np.abs(np.expm1(-eps)) / (1 + q[:, m] * np.expm1(-eps))
+                    np.testing.assert_allclose(change, q[:, m] * c * w[:, m] * lengths,
+                                               rtol=1e-7, atol=1e-12)
+
+
 def test_multicanonical_single_rung_is_t1(split):
     """A ladder with the single rung T = 1 is plain online VB, with log C given or with the
     exact conditional normaliser (log C_d(1) = 0)."""

@@ -225,19 +225,27 @@ class Multicanonical(NamedTuple):
     (docs/lda.md, "Why MVI heated up").
 
     ``tolerance``: the share of a minibatch's topic statistics that the stale rungs may
-    move. A document's statistics are :math:`\sum_m q(y_d = m) h_m n_{dv}\phi_{dvk}`
-    (:func:`local_step`); an error of at most :math:`e_m` in rung m's :math:`\log C_d`
-    changes :math:`q(y_d = m)` by at most :math:`q(y_d = m)(e^{2e_m} - 1)`, so it moves at
-    most :math:`a_m = \sum_d q(y_d = m)(e^{2e_m(L_d)} - 1) L_d` of the :math:`\sum_d L_d`
-    words. At a refresh the rungs with the smallest :math:`a_m` stay stale as long as their
-    sum stays below ``tolerance`` times the words (:math:`a_m` and the words averaged over
-    the latest :data:`RISK_WINDOW` updates: minibatches are drawn at random, so these
-    estimate the next ones' under the current topics; :math:`L_d` rounded up to
-    :math:`2^{b+1} - 1`, :attr:`StepInfo.log_rung_words`); the others are recomputed. A
-    rung no document uses (the hot ones, once the fit has cooled) waits until its bracket
-    is wide enough to matter; all of it in log space, so that a rung whose :math:`q(y_d =
-    m)` is :math:`e^{-5000}` (below any float) with a bracket of :math:`e^{1000}` is known
-    to be safe, not recomputed for an overflow; 0 recomputes every rung at every refresh.
+    move. A document's statistics are :math:`S_d = \sum_m q(y_d = m) h_m
+    n\phi^{(j(m))}` (:func:`local_step`; rung m served by anchor :math:`j(m)`), of total
+    at most :math:`L_d`. An error :math:`\epsilon_m`, :math:`|\epsilon_m| \le e_m`, in
+    rung m's :math:`\log C_d` changes them by exactly :math:`q(y_d = m)\,c\,(h_m
+    n\phi^{(j(m))} - S_d)` with :math:`|c| \le e^{e_m} - 1`, i.e. by at most
+    :math:`q(y_d = m)(e^{e_m} - 1) w_{dm} L_d` in total, with :math:`w_{dm} = |h_m -
+    H_{d,j(m)}| + \sum_{j \ne j(m)} H_{dj}` and :math:`H_{dj}` the :math:`q(y_d)`-weighted
+    :math:`h` of the rungs anchor j serves: mass moving between neighbouring rungs of one
+    anchor barely moves the statistics. So rung m moves at most :math:`a_m = \sum_d q(y_d =
+    m)(e^{e_m(L_d)} - 1) w_{dm} L_d` of the :math:`\sum_d L_d` words. At a refresh the rungs
+    with the smallest :math:`a_m` stay stale as long as their sum stays below ``tolerance``
+    times the words (:math:`a_m` and the words averaged over the latest
+    :data:`RISK_WINDOW` updates since the last computation: minibatches are drawn at random,
+    so these estimate the next ones' under the current topics; an update under older topics,
+    e.g. the first, hot one under random topics, says little about them; :math:`L_d`
+    rounded up to :math:`2^{b+1} - 1`, :attr:`StepInfo.log_rung_words`); the others are
+    recomputed. A rung no document uses
+    (the hot ones, once the fit has cooled) waits until its bracket is wide enough to
+    matter; all of it in log space, so that a rung whose :math:`q(y_d = m)` is
+    :math:`e^{-5000}` (below any float) with a bracket of :math:`e^{1000}` is known to be
+    safe, not recomputed for an overflow; 0 recomputes every rung at every refresh.
     ``FitResult.log_c_rungs`` counts the rung computations.
 
     ``anchors``: the number of rungs each document is fitted at (:func:`local_step`):
@@ -299,7 +307,8 @@ class Multicanonical(NamedTuple):
 
 #: documents are grouped by length in powers of 2 for the normaliser's refresh rule
 LENGTH_BINS = 24
-#: the refresh rule averages the words at risk over this many latest updates
+#: the refresh rule averages the words at risk over at most this many latest updates (since
+#: the last computation)
 RISK_WINDOW = 4
 #: while the hot anchors serve less than ``Multicanonical.tolerance``, every this-many-th
 #: update still fits them (a probe), so that a fit that heats up again is seen
@@ -317,7 +326,8 @@ class StepInfo(NamedTuple):
     local sweeps per document (MVI: summed over its anchor fits); ``hot_share``: the
     minibatch mean of the :math:`q(y_d)` mass on rungs served by anchors other than
     T = 1 (MVI; 0 when only the T = 1 anchor was fitted, or not MVI); ``log_rung_words``
-    (:data:`LENGTH_BINS`, M): :math:`\\log\\sum_d q(y_d = m) L_d` over the minibatch's
+    (:data:`LENGTH_BINS`, M): :math:`\\log\\sum_d q(y_d = m) w_{dm} L_d` (the
+    refresh rule's :math:`w_{dm}`, :class:`Multicanonical`) over the minibatch's
     documents of length :math:`2^b \\le L_d + 1 < 2^{b+1}` in row b (the last row also
     every longer one; :math:`-\\infty` for an empty bin), computed in log space so that a
     rung's share below the float range is kept; M = 0 unless MVI."""
@@ -337,6 +347,7 @@ class LocalResult(NamedTuple):
     q_y: jax.Array | None  # (B, M) for MVI
     log_q_y: jax.Array | None = None  # (B, M) for MVI: log q(y_d = m), below float range too
     hot_mass: jax.Array | None = None  # (B,) for MVI: q(y_d) mass served by the hot anchors
+    moves: jax.Array | None = None  # (B, M) for MVI: w_dm of the refresh rule
 
 
 # -- building blocks ---------------------------------------------------------------------------
@@ -601,8 +612,11 @@ def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats)
     mass = jnp.sum(jnp.where(served, r, 0.0), axis=-1)  # (J, B)
     gamma = gamma[jnp.argmax(mass, axis=0), jnp.arange(batch)]
+    # w_dm: how far rung m's statistics per word are from the document's (refresh rule)
+    own = jnp.sum(jnp.where(served, weight[..., None], 0.0), axis=0)  # (B, M): H_{j(m)}
+    moves = jnp.abs(inv_temps - own) + (jnp.sum(weight, axis=0)[:, None] - own)
     return LocalResult(gamma, stats, r @ inv_temps, jnp.sum(iters, axis=0), r, log_r,
-                       jnp.sum(mass[1:], axis=0))
+                       jnp.sum(mass[1:], axis=0), moves)
 
 
 def local_step(
@@ -716,7 +730,7 @@ class _Stats(NamedTuple):
     sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
-    log_rung_words: jax.Array  # (LENGTH_BINS, M): log sum of q(y_d = m) L_d by length bin
+    log_rung_words: jax.Array  # (LENGTH_BINS, M): log sum of q(y_d = m) w_dm L_d by length bin
     hot_mass: jax.Array  # sum over real documents of the q(y_d) mass the hot anchors serve
 
 
@@ -731,7 +745,8 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
-        log_words = jnp.where(real, jnp.log(length), -jnp.inf)[:, None] + local.log_q_y
+        log_words = (jnp.where(real, jnp.log(length), -jnp.inf)[:, None] + local.log_q_y
+                     + jnp.log(local.moves))
         log_rung_words = _segment_logsumexp(log_words, _length_bin(length), LENGTH_BINS)
         hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
     else:
@@ -1162,6 +1177,7 @@ def fit(
     infos = []
     log_c_seconds = 0.0
     moved = 0.0  # step sizes summed since log C_d was last computed from the topics
+    computed = 0  # the first update under the current table
     start = time.perf_counter()
     for i, (docs, sh, doc_rows, temp) in enumerate(
             zip(batches, doc_shards, rows, temps_in, strict=True)):
@@ -1169,10 +1185,15 @@ def fit(
             moved = 0.0
             jax.block_until_ready(state.lam)
             tick = time.perf_counter()
-            window = infos[-RISK_WINDOW:]  # the latest documents, under recent topics
-            log_words = np.stack([np.asarray(x.log_rung_words, np.float64) for x in window])
-            log_words = _np_logsumexp(log_words, axis=0) - math.log(len(window))
-            all_log_c = put(jnp.asarray(normaliser.table(state.lam, log_words), dtype), False)
+            # the latest updates since the last computation: documents under recent topics
+            first = max(computed, i - RISK_WINDOW)
+            log_moves = np.stack([np.asarray(x.log_rung_words, np.float64)
+                                  for x in infos[first:i]])
+            log_moves = _np_logsumexp(log_moves, axis=0) - math.log(i - first)
+            words = np.mean([lengths[d].sum() for d in batches[first:i]])
+            computed = i
+            all_log_c = put(jnp.asarray(normaliser.table(state.lam, log_moves, words), dtype),
+                            False)
             log_c_seconds += time.perf_counter() - tick
         step = compiled
         if skip_hot:
@@ -1213,25 +1234,25 @@ def _keep_gamma(gammas, docs, gamma, num_docs):
         gamma.astype(gammas.dtype), mode="drop")
 
 
-def _rungs_to_refresh(log_words: np.ndarray, bound: np.ndarray, max_length: int,
-                      tolerance: float) -> np.ndarray:
-    """The rungs to recompute: all but those with the smallest words at risk
+def _rungs_to_refresh(log_moves: np.ndarray, bound: np.ndarray, max_length: int,
+                      tolerance: float, words: float) -> np.ndarray:
+    """The rungs to recompute: all but those with the smallest statistics at risk
     :math:`a_m` (:class:`Multicanonical`, ``tolerance``) whose sum stays within
-    ``tolerance`` times the words; ``log_words`` (:data:`LENGTH_BINS`, M) is
-    :math:`\\log\\sum_d q(y_d = m) L_d` by length bin, and :math:`a_m` is formed in log
-    space (NaN: recomputed)."""
+    ``tolerance`` times the ``words``; ``log_moves`` (:data:`LENGTH_BINS`, M) is
+    :math:`\\log\\sum_d q(y_d = m) w_{dm} L_d` by length bin
+    (:attr:`StepInfo.log_rung_words`), and :math:`a_m` is formed in log space (NaN:
+    recomputed)."""
     if tolerance <= 0:
         return np.arange(bound.shape[1])
+    if not words > 0:  # no words at all: nothing at risk
+        return np.arange(0)
     longest = np.minimum(2 ** np.arange(1, LENGTH_BINS + 1) - 1, max_length)
     longest[-1] = max_length
-    log_total = _np_logsumexp(log_words.reshape(-1), axis=0)
-    if log_total == -np.inf:  # no words at all: nothing at risk
-        return np.arange(0)
-    log_ratio = log_words - log_total
-    two_e = 2 * bound[longest]
+    log_ratio = log_moves - math.log(words)
+    e = bound[longest]
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        # log(e^{2e} - 1) = 2e + log(1 - e^{-2e}); -inf where the bracket is 0
-        log_expm1 = two_e + np.log(-np.expm1(-two_e))
+        # log(e^e - 1) = e + log(1 - e^-e); -inf where the bracket is 0
+        log_expm1 = e + np.log(-np.expm1(-e))
         at_risk = np.exp(_np_logsumexp(log_ratio + log_expm1, axis=0))
     at_risk = np.where(np.isnan(at_risk), np.inf, at_risk)
     order = np.argsort(at_risk, kind="stable")
@@ -1257,16 +1278,17 @@ class _Normaliser:
                                      "Dirichlet parameters are not finite and > 0.")
         return lda_partition.fitted_topic_log_sums(lam, self.mc.temperatures, self.mc.topics)
 
-    def table(self, lam, log_words: np.ndarray | None = None) -> np.ndarray:
-        """(D + 1, M) at the topics ``lam``; ``log_words`` (LENGTH_BINS, M): the log of a
-        minibatch's sum of q(y_d = m) L_d by length bin, lately (``None``: recompute every
-        rung)."""
+    def table(self, lam, log_moves: np.ndarray | None = None, words: float = 0.0
+              ) -> np.ndarray:
+        """(D + 1, M) at the topics ``lam``; ``log_moves`` (LENGTH_BINS, M): a minibatch's
+        :attr:`StepInfo.log_rung_words`, and ``words`` its words, lately (``None``:
+        recompute every rung)."""
         log_b = self._log_b(lam)
         rungs = np.arange(log_b.shape[0])
-        if self.exact is not None and log_words is not None:
+        if self.exact is not None and log_moves is not None:
             _, bound = lda_partition.stale_table(self.exact, log_b)
-            rungs = _rungs_to_refresh(np.asarray(log_words, np.float64), bound,
-                                      self.max_length, self.mc.tolerance)
+            rungs = _rungs_to_refresh(np.asarray(log_moves, np.float64), bound,
+                                      self.max_length, self.mc.tolerance, words)
         self.exact = lda_partition.exact_table(log_b, self.mc.temperatures, self.alpha,
                                                self.max_length, previous=self.exact,
                                                rungs=rungs)
