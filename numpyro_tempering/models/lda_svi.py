@@ -1271,27 +1271,31 @@ class _Normaliser:
         self.exact: lda_partition.ExactTable | None = None
         self.rungs = 0  # rung tables computed
 
-    def _log_b(self, lam) -> np.ndarray:
-        lam = np.asarray(lam, np.float64)
-        if not np.all(np.isfinite(lam) & (lam > 0)):
-            raise FloatingPointError("log C_d(T | topics) is not finite: the topics' "
-                                     "Dirichlet parameters are not finite and > 0.")
-        return lda_partition.fitted_topic_log_sums(lam, self.mc.temperatures, self.mc.topics)
-
     def table(self, lam, log_moves: np.ndarray | None = None, words: float = 0.0
               ) -> np.ndarray:
         """(D + 1, M) at the topics ``lam``; ``log_moves`` (LENGTH_BINS, M): a minibatch's
         :attr:`StepInfo.log_rung_words`, and ``words`` its words, lately (``None``:
-        recompute every rung)."""
-        log_b = self._log_b(lam)
+        recompute every rung). The brackets of the stale rungs come from the fast
+        :math:`\\log b_k` (:func:`~numpyro_tempering.models.lda_partition.fast_topic_log_sums`,
+        its rounding allowance times L added to them); the rungs recomputed use the float64
+        ones."""
+        lam = np.asarray(lam, np.float64)
+        if not np.all(np.isfinite(lam) & (lam > 0)):
+            raise FloatingPointError("log C_d(T | topics) is not finite: the topics' "
+                                     "Dirichlet parameters are not finite and > 0.")
+        temps = np.asarray(self.mc.temperatures, np.float64)
+        log_b, allowance = lda_partition.fast_topic_log_sums(lam, temps, self.mc.topics)
         rungs = np.arange(log_b.shape[0])
         if self.exact is not None and log_moves is not None:
             _, bound = lda_partition.stale_table(self.exact, log_b)
+            bound = bound + np.arange(bound.shape[0])[:, None] * allowance.max(axis=1)
             rungs = _rungs_to_refresh(np.asarray(log_moves, np.float64), bound,
                                       self.max_length, self.mc.tolerance, words)
-        self.exact = lda_partition.exact_table(log_b, self.mc.temperatures, self.alpha,
-                                               self.max_length, previous=self.exact,
-                                               rungs=rungs)
+        if rungs.size:
+            log_b[rungs] = lda_partition.fitted_topic_log_sums(lam, temps[rungs],
+                                                               self.mc.topics)
+        self.exact = lda_partition.exact_table(log_b, temps, self.alpha, self.max_length,
+                                               previous=self.exact, rungs=rungs)
         self.rungs += int(rungs.size)
         table, _ = lda_partition.stale_table(self.exact, log_b)
         if not np.all(np.isfinite(table)):
