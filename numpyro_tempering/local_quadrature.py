@@ -249,13 +249,17 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
         f_c = jax.vmap(el)(cands)  # (F, N)
         better = jnp.isfinite(f_c) & (f_c > f)
         first = jnp.argmax(better, 0)  # the largest fraction that raises the log density
-        take = jnp.any(better, 0)
+        take = jnp.any(better, 0) & (i >= 0)  # pass -1 only evaluates (see below)
         pick = jnp.take_along_axis(cands, first[None, :, None], 0)[0]
         new_w = jnp.where(take[:, None], pick, w)
         new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
         return (new_w, new_f, *local(new_w), i + 1)
 
-    carry = (v0, el(v0), *local(v0), jnp.zeros((), jnp.int32))
+    # pass -1 takes no step and only evaluates the score and curvature at the start, so
+    # that they are traced (and compiled) once, inside the loop, not also before it
+    n, d = v0.shape
+    carry = (v0, el(v0), jnp.zeros((n, d), v0.dtype), jnp.broadcast_to(jnp.eye(d, dtype=v0.dtype),
+             (n, d, d)), jnp.ones((), bool), -jnp.ones((), jnp.int32))
     v, _, _, low, _, _ = jax.lax.while_loop(cond, body, carry)
     return _Placement(v, low)
 
