@@ -111,12 +111,11 @@ from numpyro_tempering.joint_smc import (
     _Joint,
     _joint,
     _joint_mode,
-    _positive_definite,
+    _local_curvature,
 )
 from numpyro_tempering.tempered_smc import (
     SMCRun,
     SMCSettings,
-    _cholesky,
     _laplace,
     _smc,
     _solve_lower,
@@ -192,26 +191,6 @@ class _Placement(NamedTuple):
     low: jax.Array  # (N, d, d) Cholesky factor R_n of the conditional curvature
 
 
-def _score_and_curvature(joint: _Joint, t: jax.Array, u: jax.Array, w: jax.Array) -> tuple:
-    """Per element: the gradient ``g`` ``(N, d)`` of the locals' log density given ``u``,
-    the Cholesky factor ``R`` of its negative Hessian (where that is not positive definite,
-    of the Hessian shifted as in :func:`~numpyro_tempering.joint_smc._local_curvature`: for
-    d = 1 the absolute curvature plus 1e-3, else the unit matrix) and whether it was."""
-    d = w.shape[1]
-    grad = jax.grad(lambda a: jnp.sum(joint.log_density(u, a, t)[1]))
-    cols = [jax.jvp(grad, (w,), (jnp.zeros_like(w).at[:, k].set(1.0),)) for k in range(d)]
-    g = cols[0][0]
-    h = -jnp.stack([c[1] for c in cols], -1)
-    h = 0.5 * (h + jnp.swapaxes(h, 1, 2))
-    low = jax.vmap(_cholesky)(h)
-    ok = _positive_definite(low)
-    eye = jnp.eye(d, dtype=w.dtype)
-    shift = 2.0 * jnp.max(jnp.abs(jnp.diagonal(h, axis1=1, axis2=2)), -1) + 1e-3
-    shifted = jax.vmap(_cholesky)(h + shift[:, None, None] * eye)
-    shifted = jnp.where(_positive_definite(shifted)[:, None, None], shifted, eye)
-    return g, jnp.where(ok[:, None, None], low, shifted), ok
-
-
 def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
                steps: int | None = None) -> _Placement:
     """The conditional modes of the locals given ``u`` and the Cholesky factors of the
@@ -221,8 +200,8 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
     ``steps`` (default ``LOCAL_NEWTON_STEPS``) steps. Each element takes the largest of
     ``LOCAL_FRACTIONS`` of its step that raises its own log density, or stays; where its
     curvature is not positive definite the step and the factor use the shifted curvature of
-    :func:`_score_and_curvature` (not the joint mode's factor: on a funnel that belongs to
-    another scale of the locals)."""
+    :func:`~numpyro_tempering.joint_smc._local_curvature` (not the joint mode's factor: on a
+    funnel that belongs to another scale of the locals)."""
     steps = LOCAL_NEWTON_STEPS if steps is None else steps
     v0 = frame.v + jnp.einsum("nda,a->nd", frame.coupling, u - frame.u)
 
@@ -231,7 +210,7 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
         return jnp.where(jnp.isnan(value), -jnp.inf, value)
 
     def local(w: jax.Array) -> tuple:
-        g, low, ok = _score_and_curvature(joint, t, u, w)
+        g, low, ok = _local_curvature(joint, t, u, w)
         half = jax.vmap(_solve_lower)(low, g)  # R^{-1} g: |.|^2 is the Newton decrement
         near = ok & (jnp.sum(half**2, -1) <= LOCAL_TOLERANCE**2)  # nan: not near
         return half, low, ~jnp.all(near)
