@@ -268,7 +268,9 @@ def _log_c(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
 
 def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -> tuple:
     """The SMC target over ``u`` (``_Target``: the globals' prior and ``sum_n log c-hat_n``)
-    and the quadrature check ``u -> sum_n log c-hat_n(2q nodes) - sum_n log c-hat_n(q)``."""
+    and the quadrature check ``u -> sum_n log c-hat_n(2q nodes) - sum_n log c-hat_n(q)``
+    (``check(u, True)``: also the per-element ``log c-hat_n(q)``, the target's, so that
+    the SMC's per-element output is taken from the check, not evaluated again)."""
     d = frame.v.shape[1]
     rule, fine = _rule(q, d), _rule(CHECK_FACTOR * q, d)
 
@@ -286,13 +288,14 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
         el, rest, _ = _log_c(joint, place(u, t), u, t, rule)
         return jnp.sum(el) + rest, el, rest
 
-    def check(u: jax.Array) -> jax.Array:
+    def check(u: jax.Array, elements: bool = False) -> jax.Array | tuple:
         where = place(u, temperature)
         coarse = _log_c(joint, where, u, temperature, rule)[0]
         finer, _, lost = _log_c(joint, where, u, temperature, fine)
         # the fine rule's nodes where the log density is NaN (counted as zero) are counted
         # as the rule's Gaussian weighs them: log c_n is then higher by -log(1 - lost_n)
-        return jnp.sum(finer) - jnp.sum(jnp.log1p(-lost)) - jnp.sum(coarse)
+        value = jnp.sum(finer) - jnp.sum(jnp.log1p(-lost)) - jnp.sum(coarse)
+        return (value, coarse) if elements else value
 
     return _Target(init, log_prior, pieces), check
 
@@ -345,7 +348,8 @@ def build_quadrature_runner(
 
         def one(k: jax.Array, t: jax.Array, frame: _Frame, ref: tuple) -> tuple:
             target, check = _quad_target(joint, best(frame), t, q)
-            return _smc(target, settings, k, t, ref, per_element, final=check)
+            return _smc(target, settings, k, t, ref, per_element,
+                        final=lambda u: check(u, True))
 
         keys = random.split(key_runs, settings.num_replicates)
         *out, quad = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, None, None, None))(

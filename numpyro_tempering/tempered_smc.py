@@ -506,8 +506,10 @@ def _smc(
     final: Callable | None = None,
 ) -> tuple:
     """One adaptive tempered SMC run at one temperature: (log C-hat, final ESS, stages,
-    last acceptance, E_final[log c_n] or None, lambda reached), and with ``final`` also the
-    weighted mean of ``final(x)`` over the final particles (64 particles at a time)."""
+    last acceptance, E_final[log c_n] or None, lambda reached), and with ``final``
+    (``x -> (value, the target's per-element log c_n)``, evaluated 64 particles at a time;
+    its per-element values stand in for the target's) also the weighted mean of its
+    value over the final particles."""
     num = settings.num_particles
     key_init, key_loop = random.split(key)
     if reference is None:  # path from the prior
@@ -615,12 +617,16 @@ def _smc(
     log_z = jnp.where(done, log_z, jnp.nan)
     ess = 1.0 / jnp.sum(state.weights**2)
     element = None
-    if per_element:
+    if final is not None:  # its per-element values are the target's (one evaluation)
+        values, element = jax.lax.map(final, state.particles, batch_size=64)
+    elif per_element:
         element = jax.vmap(lambda u: target.pieces(u, temperature)[1])(state.particles)
+    if per_element:
         element = jnp.sum(state.weights[:, None] * element, 0)
+    else:
+        element = None
     out = (log_z, ess, stages, acc, element, state.tempering_param)
     if final is not None:
-        values = jax.lax.map(final, state.particles, batch_size=64)
         out = (*out, jnp.sum(state.weights * values))
     return out
 
