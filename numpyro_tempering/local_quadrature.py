@@ -232,13 +232,16 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
         pick = jnp.take_along_axis(cands, first[None, :, None], 0)[0]
         new_w = jnp.where(take[:, None], pick, w)
         new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
+        new_f = jnp.where(i >= 0, new_f, f_c[0])  # pass -1: the log density at the start
         return (new_w, new_f, *local(new_w), i + 1)
 
-    # pass -1 takes no step and only evaluates the score and curvature at the start, so
-    # that they are traced (and compiled) once, inside the loop, not also before it
+    # pass -1 takes no step (its step is 0: every candidate is the start) and only
+    # evaluates the log density, score and curvature at the start, so that they are traced
+    # (and compiled) once, inside the loop, not also before it
     n, d = v0.shape
-    carry = (v0, el(v0), jnp.zeros((n, d), v0.dtype), jnp.broadcast_to(jnp.eye(d, dtype=v0.dtype),
-             (n, d, d)), jnp.ones((), bool), -jnp.ones((), jnp.int32))
+    carry = (v0, jnp.full((n,), -jnp.inf, v0.dtype), jnp.zeros((n, d), v0.dtype),
+             jnp.broadcast_to(jnp.eye(d, dtype=v0.dtype), (n, d, d)), jnp.ones((), bool),
+             -jnp.ones((), jnp.int32))
     v, _, _, low, _, _ = jax.lax.while_loop(cond, body, carry)
     return _Placement(v, low)
 
