@@ -71,8 +71,13 @@ global scale (a funnel, 4 points, ``poisson_log_link`` of the tests, against
 errors 0.023-0.040 (two keys), unflagged, one SMC stage, measured quadrature errors below
 5e-4 nats; 89 s a first call at four temperatures and 32 s a compiled one (machine
 otherwise idle; 82 s / 23 s before the fixes below, which gave NaN), 104-116 s a first
-call at two temperatures on the loaded machine, of which about 80 s is XLA compiling the
-runner; the joint SMC took 30 s / 15 s there and was 1.3-2.9 nats low. Its NaN
+call at two temperatures on the loaded machine, of which about 80 s was XLA lowering and
+compiling the runner. Tracing the target once per Newton pass, placement and final check
+(not up to four times) then cut a first call at two temperatures from 114 s to 89 s on
+the loaded machine (interleaved: lowering 15 -> 10 s, XLA compilation 62 -> 41 s, compiled
+HLO 24 -> 12 MB; the run 31 s either way; the Gamma local at N = 500: 50 -> 40 s, lowering
+11 -> 8 s, compilation 27 -> 21 s, run 5 s). The joint SMC took 30 s / 15 s on the funnel
+and was 1.3-2.9 nats low. Its NaN
 replicates had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
 normaliser's large-rate expansion overflow to :math:`+\infty` (``2 pi r`` in float32; fixed
 in :mod:`numpyro_tempering.partition`), an infinite :math:`\log\hat c_n` at particles near
