@@ -401,8 +401,6 @@ def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
     definite fall back to the unit matrix (their locals are then standardised poorly: more
     SMC stages, no bias)."""
     d_g, (num, d) = u0.shape[0], v0.shape
-    if polish:
-        v0 = _conditional_modes(joint, t, u0, v0, LOCAL_POLISH_STEPS)
 
     def step(i: jax.Array, carry: tuple) -> tuple:
         u, v, f, lam, _ = carry
@@ -429,15 +427,27 @@ def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
         return (jnp.where(ok, new_u, u), jnp.where(ok, new_v, v), jnp.where(ok, f_new, f),
                 jnp.where(ok, lam / 10, lam * 10), f_now)
 
-    log_p, el, rest = joint.log_density(u0, v0, t)
-    f0 = -(log_p + jnp.sum(el) + rest)
-    f0 = jnp.where(jnp.isnan(f0), jnp.inf, f0)
-    lam0 = jnp.asarray(1e-3, u0.dtype)
-    u, v, f, _, _ = jax.lax.fori_loop(0, steps, step, (u0, v0, f0, lam0, f0))
-    if polish:
-        v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
+    def newton(u: jax.Array, v: jax.Array) -> tuple:
         log_p, el, rest = joint.log_density(u, v, t)
-        f = -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
+        f0 = -(log_p + jnp.sum(el) + rest)
+        f0 = jnp.where(jnp.isnan(f0), jnp.inf, f0)
+        lam0 = jnp.asarray(1e-3, u.dtype)
+        return jax.lax.fori_loop(0, steps, step, (u, v, f0, lam0, f0))[:3]
+
+    def value(u: jax.Array, v: jax.Array) -> tuple:
+        log_p, el, rest = joint.log_density(u, v, t)
+        return u, v, -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
+
+    def polish_round(carry: tuple, r: jax.Array) -> tuple:
+        u, v, _ = carry
+        v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
+        return jax.lax.cond(r == 0, newton, value, u, v), None
+
+    if polish:  # two rounds, one traced copy of the polish: polish, Newton; polish, value
+        zero = jnp.zeros((), u0.dtype)
+        (u, v, f), _ = jax.lax.scan(polish_round, (u0, v0, zero), jnp.arange(2))
+    else:
+        u, v, f = newton(u0, v0)
     _, _, _, h_uu, h_vu, h_vv = _blocks(joint, t, u, v)
     low, coupling, schur = _schur(h_uu, h_vu, h_vv)
     eye_d = jnp.eye(d, dtype=u.dtype)
