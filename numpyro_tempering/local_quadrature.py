@@ -75,10 +75,11 @@ call at two temperatures on the loaded machine, of which about 80 s was XLA lowe
 compiling the runner. Tracing the target once per Newton pass, placement and final check
 (not up to four times) then cut a first call at two temperatures from 114 s to 89 s on
 the loaded machine (interleaved: lowering 15 -> 10 s, XLA compilation 62 -> 41 s, compiled
-HLO 24 -> 12 MB; the run 31 s either way; the Gamma local at N = 500: 50 -> 40 s, lowering
-11 -> 8 s, compilation 27 -> 21 s, run 5 s). The joint SMC took 30 s / 15 s on the funnel
-and was 1.3-2.9 nats low. Its NaN
-replicates had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
+HLO 24 -> 12 MB; the run 31 s either way) and from 69 s to 52 s on a quieter one (lowering
+13 -> 9 s, compilation 36 -> 23 s, run 15 s); the Gamma local at N = 500: 50 -> 40 s
+(loaded) and 30 -> 25 s (quieter: lowering 10 -> 7 s, compilation 14 -> 11 s, run 2.5 s).
+The joint SMC took 30 s / 15 s on the funnel and was 1.3-2.9 nats low. Its NaN replicates
+had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
 normaliser's large-rate expansion overflow to :math:`+\infty` (``2 pi r`` in float32; fixed
 in :mod:`numpyro_tempering.partition`), an infinite :math:`\log\hat c_n` at particles near
 :math:`u = \log s = 3.5`; and one Newton step from the joint mode's predictor, which on the
