@@ -282,26 +282,31 @@ class _Frame(NamedTuple):
 
 
 def _blocks(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array) -> tuple:
-    """Value, gradient and the arrow blocks of the Hessian of ``-log gamma_T``."""
+    """Value, gradient and the arrow blocks of the Hessian of ``-log gamma_T``: the
+    Hessian-vector products along the ``d_g`` globals and the ``d`` local coordinates (all
+    elements at once) in one vectorised forward-over-reverse pass, whose primal is the
+    value and the gradient (one copy of the model's derivatives for XLA to compile)."""
 
     def neg(uu: jax.Array, vv: jax.Array) -> jax.Array:
         log_p, el, rest = joint.log_density(uu, vv, t)
         value = -(log_p + jnp.sum(el) + rest)
         return jnp.where(jnp.isnan(value), jnp.inf, value)
 
-    grad = jax.grad(neg, argnums=(0, 1))
+    d_g, d = u.shape[0], v.shape[1]
+    dirs_u = jnp.concatenate([jnp.eye(d_g, dtype=u.dtype), jnp.zeros((d, d_g), u.dtype)])
+    dirs_v = jnp.concatenate([jnp.zeros((d_g,) + v.shape, v.dtype),
+                              jnp.broadcast_to(jnp.eye(d, dtype=v.dtype)[:, None, :],
+                                               (d,) + v.shape)])
 
     def hvp(du: jax.Array, dv: jax.Array) -> tuple:
-        return jax.jvp(lambda a, b: grad(a, b), (u, v), (du, dv))[1]
+        return jax.jvp(jax.value_and_grad(neg, argnums=(0, 1)), (u, v), (du, dv))
 
-    d_g, d = u.shape[0], v.shape[1]
-    cols_u = [hvp(jnp.zeros_like(u).at[j].set(1.0), jnp.zeros_like(v)) for j in range(d_g)]
-    h_uu = jnp.stack([c[0] for c in cols_u], -1)  # (d_g, d_g)
-    h_vu = jnp.stack([c[1] for c in cols_u], -1)  # (N, d, d_g)
-    cols_v = [hvp(jnp.zeros_like(u), jnp.zeros_like(v).at[:, j].set(1.0))[1] for j in range(d)]
-    h_vv = jnp.stack(cols_v, -1)  # (N, d, d): block diagonal over the elements
-    g_u, g_v = grad(u, v)
-    return neg(u, v), g_u, g_v, 0.5 * (h_uu + h_uu.T), h_vu, 0.5 * (h_vv + jnp.swapaxes(h_vv, 1, 2))
+    (f, (g_u, g_v)), (_, (t_u, t_v)) = jax.vmap(
+        hvp, out_axes=((None, (None, None)), (0, (0, 0))))(dirs_u, dirs_v)
+    h_uu = t_u[:d_g].T  # (d_g, d_g)
+    h_vu = jnp.moveaxis(t_v[:d_g], 0, -1)  # (N, d, d_g)
+    h_vv = jnp.moveaxis(t_v[d_g:], 0, -1)  # (N, d, d): block diagonal over the elements
+    return f, g_u, g_v, 0.5 * (h_uu + h_uu.T), h_vu, 0.5 * (h_vv + jnp.swapaxes(h_vv, 1, 2))
 
 
 def _positive_definite(low: jax.Array) -> jax.Array:
@@ -330,16 +335,17 @@ LOCAL_POLISH_STEPS = 8
 
 
 def _local_curvature(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array,
-                     fallback: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-    """Per element: the Cholesky factor of minus the Hessian block of ``a_n`` plus the
-    local's log density in ``v_n`` (``(N, d, d)``; where that is not positive definite
-    ``fallback``, or with ``None`` the factor of the block shifted by twice its largest
-    absolute diagonal entry plus 1e-3: for d = 1 the absolute curvature) and whether it
-    was."""
+                     fallback: jax.Array | None = None) -> tuple:
+    """Per element: the gradient ``(N, d)`` of ``a_n`` plus the local's log density in
+    ``v_n``, the Cholesky factor of minus its Hessian block (``(N, d, d)``; where that is
+    not positive definite ``fallback``, or with ``None`` the factor of the block shifted by
+    twice its largest absolute diagonal entry plus 1e-3: for d = 1 the absolute curvature)
+    and whether it was. The gradient is the primal of the curvature's forward-over-reverse
+    pass (one copy of the derivatives to compile)."""
     d = v.shape[1]
     grad = jax.grad(lambda w: jnp.sum(joint.log_density(u, w, t)[1]))
-    cols = [jax.jvp(grad, (v,), (jnp.zeros_like(v).at[:, k].set(1.0),))[1] for k in range(d)]
-    h = -jnp.stack(cols, -1)
+    cols = [jax.jvp(grad, (v,), (jnp.zeros_like(v).at[:, k].set(1.0),)) for k in range(d)]
+    h = -jnp.stack([c[1] for c in cols], -1)
     h = 0.5 * (h + jnp.swapaxes(h, 1, 2))
     low = jax.vmap(_cholesky)(h)
     ok = _positive_definite(low)
@@ -348,7 +354,7 @@ def _local_curvature(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array,
         fallback = jax.vmap(_cholesky)(h + shift[:, None, None] * jnp.eye(d, dtype=v.dtype))
         fallback = jnp.where(_positive_definite(fallback)[:, None, None], fallback,
                              jnp.eye(d, dtype=v.dtype))
-    return jnp.where(ok[:, None, None], low, fallback), ok
+    return cols[0][0], jnp.where(ok[:, None, None], low, fallback), ok
 
 
 def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, steps: int,
@@ -358,28 +364,25 @@ def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, 
     (the elements are independent given the globals, so each element takes the largest of
     ``fractions`` of its step that raises its own log density, or stays; where its curvature
     is not positive definite the step is scaled by ``fallback``, default the shifted
-    curvature of :func:`_local_curvature`)."""
-    num, d = v.shape
+    curvature of :func:`_local_curvature`). The fractions' log densities are one vectorised
+    evaluation."""
 
     def el(w: jax.Array) -> jax.Array:
         value = joint.log_density(u, w, t)[1]
         return jnp.where(jnp.isnan(value), -jnp.inf, value)
 
-    grad = jax.grad(lambda w: jnp.sum(joint.log_density(u, w, t)[1]))
-
     def step(_: int, carry: tuple) -> tuple:
         w, f = carry
-        low, _ = _local_curvature(joint, t, u, w, fallback)
-        dv = jax.vmap(_chol_solve)(low, grad(w))
+        g, low, _ = _local_curvature(joint, t, u, w, fallback)
+        dv = jax.vmap(_chol_solve)(low, g)
         dv = jnp.where(jnp.isfinite(dv), dv, 0.0)
-        new_w, new_f, done = w, f, jnp.zeros(num, bool)
-        for frac in fractions:
-            cand = w + frac * dv
-            f_c = el(cand)
-            take = ~done & jnp.isfinite(f_c) & (f_c > f)
-            new_w = jnp.where(take[:, None], cand, new_w)
-            new_f = jnp.where(take, f_c, new_f)
-            done = done | take
+        cands = w + jnp.asarray(fractions, w.dtype)[:, None, None] * dv  # (F, N, d)
+        f_c = jax.vmap(el)(cands)  # (F, N)
+        better = jnp.isfinite(f_c) & (f_c > f)
+        first = jnp.argmax(better, 0)  # the largest fraction that raises the log density
+        take = jnp.any(better, 0)
+        new_w = jnp.where(take[:, None], jnp.take_along_axis(cands, first[None, :, None], 0)[0], w)
+        new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
         return new_w, new_f
 
     v, _ = jax.lax.fori_loop(0, steps, step, (v, el(v)))
@@ -398,8 +401,6 @@ def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
     definite fall back to the unit matrix (their locals are then standardised poorly: more
     SMC stages, no bias)."""
     d_g, (num, d) = u0.shape[0], v0.shape
-    if polish:
-        v0 = _conditional_modes(joint, t, u0, v0, LOCAL_POLISH_STEPS)
 
     def step(i: jax.Array, carry: tuple) -> tuple:
         u, v, f, lam, _ = carry
@@ -426,15 +427,27 @@ def _joint_mode(joint: _Joint, t: jax.Array, u0: jax.Array, v0: jax.Array,
         return (jnp.where(ok, new_u, u), jnp.where(ok, new_v, v), jnp.where(ok, f_new, f),
                 jnp.where(ok, lam / 10, lam * 10), f_now)
 
-    log_p, el, rest = joint.log_density(u0, v0, t)
-    f0 = -(log_p + jnp.sum(el) + rest)
-    f0 = jnp.where(jnp.isnan(f0), jnp.inf, f0)
-    lam0 = jnp.asarray(1e-3, u0.dtype)
-    u, v, f, _, _ = jax.lax.fori_loop(0, steps, step, (u0, v0, f0, lam0, f0))
-    if polish:
-        v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
+    def newton(u: jax.Array, v: jax.Array) -> tuple:
         log_p, el, rest = joint.log_density(u, v, t)
-        f = -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
+        f0 = -(log_p + jnp.sum(el) + rest)
+        f0 = jnp.where(jnp.isnan(f0), jnp.inf, f0)
+        lam0 = jnp.asarray(1e-3, u.dtype)
+        return jax.lax.fori_loop(0, steps, step, (u, v, f0, lam0, f0))[:3]
+
+    def value(u: jax.Array, v: jax.Array) -> tuple:
+        log_p, el, rest = joint.log_density(u, v, t)
+        return u, v, -(log_p + jnp.sum(el) + rest)  # per element no worse: f decreases
+
+    def polish_round(carry: tuple, r: jax.Array) -> tuple:
+        u, v, _ = carry
+        v = _conditional_modes(joint, t, u, v, LOCAL_POLISH_STEPS)
+        return jax.lax.cond(r == 0, newton, value, u, v), None
+
+    if polish:  # two rounds, one traced copy of the polish: polish, Newton; polish, value
+        zero = jnp.zeros((), u0.dtype)
+        (u, v, f), _ = jax.lax.scan(polish_round, (u0, v0, zero), jnp.arange(2))
+    else:
+        u, v, f = newton(u0, v0)
     _, _, _, h_uu, h_vu, h_vv = _blocks(joint, t, u, v)
     low, coupling, schur = _schur(h_uu, h_vu, h_vv)
     eye_d = jnp.eye(d, dtype=u.dtype)

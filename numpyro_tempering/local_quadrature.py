@@ -71,9 +71,15 @@ global scale (a funnel, 4 points, ``poisson_log_link`` of the tests, against
 errors 0.023-0.040 (two keys), unflagged, one SMC stage, measured quadrature errors below
 5e-4 nats; 89 s a first call at four temperatures and 32 s a compiled one (machine
 otherwise idle; 82 s / 23 s before the fixes below, which gave NaN), 104-116 s a first
-call at two temperatures on the loaded machine, of which about 80 s is XLA compiling the
-runner; the joint SMC took 30 s / 15 s there and was 1.3-2.9 nats low. Its NaN
-replicates had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
+call at two temperatures on the loaded machine, of which about 80 s was XLA lowering and
+compiling the runner. Tracing the target once per Newton pass, placement and final check
+(not up to four times) then cut a first call at two temperatures from 114 s to 89 s on
+the loaded machine (interleaved: lowering 15 -> 10 s, XLA compilation 62 -> 41 s, compiled
+HLO 24 -> 12 MB; the run 31 s either way) and from 69 s to 52 s on a quieter one (lowering
+13 -> 9 s, compilation 36 -> 23 s, run 15 s); the Gamma local at N = 500: 50 -> 40 s
+(loaded) and 30 -> 25 s (quieter: lowering 10 -> 7 s, compilation 14 -> 11 s, run 2.5 s).
+The joint SMC took 30 s / 15 s on the funnel and was 1.3-2.9 nats low. Its NaN replicates
+had two causes: a node at a log rate in (86.9, 88.7] made the Poisson
 normaliser's large-rate expansion overflow to :math:`+\infty` (``2 pi r`` in float32; fixed
 in :mod:`numpyro_tempering.partition`), an infinite :math:`\log\hat c_n` at particles near
 :math:`u = \log s = 3.5`; and one Newton step from the joint mode's predictor, which on the
@@ -111,12 +117,11 @@ from numpyro_tempering.joint_smc import (
     _Joint,
     _joint,
     _joint_mode,
-    _positive_definite,
+    _local_curvature,
 )
 from numpyro_tempering.tempered_smc import (
     SMCRun,
     SMCSettings,
-    _cholesky,
     _laplace,
     _smc,
     _solve_lower,
@@ -192,26 +197,6 @@ class _Placement(NamedTuple):
     low: jax.Array  # (N, d, d) Cholesky factor R_n of the conditional curvature
 
 
-def _score_and_curvature(joint: _Joint, t: jax.Array, u: jax.Array, w: jax.Array) -> tuple:
-    """Per element: the gradient ``g`` ``(N, d)`` of the locals' log density given ``u``,
-    the Cholesky factor ``R`` of its negative Hessian (where that is not positive definite,
-    of the Hessian shifted as in :func:`~numpyro_tempering.joint_smc._local_curvature`: for
-    d = 1 the absolute curvature plus 1e-3, else the unit matrix) and whether it was."""
-    d = w.shape[1]
-    grad = jax.grad(lambda a: jnp.sum(joint.log_density(u, a, t)[1]))
-    cols = [jax.jvp(grad, (w,), (jnp.zeros_like(w).at[:, k].set(1.0),)) for k in range(d)]
-    g = cols[0][0]
-    h = -jnp.stack([c[1] for c in cols], -1)
-    h = 0.5 * (h + jnp.swapaxes(h, 1, 2))
-    low = jax.vmap(_cholesky)(h)
-    ok = _positive_definite(low)
-    eye = jnp.eye(d, dtype=w.dtype)
-    shift = 2.0 * jnp.max(jnp.abs(jnp.diagonal(h, axis1=1, axis2=2)), -1) + 1e-3
-    shifted = jax.vmap(_cholesky)(h + shift[:, None, None] * eye)
-    shifted = jnp.where(_positive_definite(shifted)[:, None, None], shifted, eye)
-    return g, jnp.where(ok[:, None, None], low, shifted), ok
-
-
 def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
                steps: int | None = None) -> _Placement:
     """The conditional modes of the locals given ``u`` and the Cholesky factors of the
@@ -221,8 +206,8 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
     ``steps`` (default ``LOCAL_NEWTON_STEPS``) steps. Each element takes the largest of
     ``LOCAL_FRACTIONS`` of its step that raises its own log density, or stays; where its
     curvature is not positive definite the step and the factor use the shifted curvature of
-    :func:`_score_and_curvature` (not the joint mode's factor: on a funnel that belongs to
-    another scale of the locals)."""
+    :func:`~numpyro_tempering.joint_smc._local_curvature` (not the joint mode's factor: on a
+    funnel that belongs to another scale of the locals)."""
     steps = LOCAL_NEWTON_STEPS if steps is None else steps
     v0 = frame.v + jnp.einsum("nda,a->nd", frame.coupling, u - frame.u)
 
@@ -231,7 +216,7 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
         return jnp.where(jnp.isnan(value), -jnp.inf, value)
 
     def local(w: jax.Array) -> tuple:
-        g, low, ok = _score_and_curvature(joint, t, u, w)
+        g, low, ok = _local_curvature(joint, t, u, w)
         half = jax.vmap(_solve_lower)(low, g)  # R^{-1} g: |.|^2 is the Newton decrement
         near = ok & (jnp.sum(half**2, -1) <= LOCAL_TOLERANCE**2)  # nan: not near
         return half, low, ~jnp.all(near)
@@ -249,13 +234,20 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
         f_c = jax.vmap(el)(cands)  # (F, N)
         better = jnp.isfinite(f_c) & (f_c > f)
         first = jnp.argmax(better, 0)  # the largest fraction that raises the log density
-        take = jnp.any(better, 0)
+        take = jnp.any(better, 0) & (i >= 0)  # pass -1 only evaluates (see below)
         pick = jnp.take_along_axis(cands, first[None, :, None], 0)[0]
         new_w = jnp.where(take[:, None], pick, w)
         new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
+        new_f = jnp.where(i >= 0, new_f, f_c[0])  # pass -1: the log density at the start
         return (new_w, new_f, *local(new_w), i + 1)
 
-    carry = (v0, el(v0), *local(v0), jnp.zeros((), jnp.int32))
+    # pass -1 takes no step (its step is 0: every candidate is the start) and only
+    # evaluates the log density, score and curvature at the start, so that they are traced
+    # (and compiled) once, inside the loop, not also before it
+    n, d = v0.shape
+    carry = (v0, jnp.full((n,), -jnp.inf, v0.dtype), jnp.zeros((n, d), v0.dtype),
+             jnp.broadcast_to(jnp.eye(d, dtype=v0.dtype), (n, d, d)), jnp.ones((), bool),
+             -jnp.ones((), jnp.int32))
     v, _, _, low, _, _ = jax.lax.while_loop(cond, body, carry)
     return _Placement(v, low)
 
@@ -285,7 +277,9 @@ def _log_c(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
 
 def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -> tuple:
     """The SMC target over ``u`` (``_Target``: the globals' prior and ``sum_n log c-hat_n``)
-    and the quadrature check ``u -> sum_n log c-hat_n(2q nodes) - sum_n log c-hat_n(q)``."""
+    and the quadrature check ``u -> sum_n log c-hat_n(2q nodes) - sum_n log c-hat_n(q)``
+    (``check(u, True)``: also the per-element ``log c-hat_n(q)``, the target's, so that
+    the SMC's per-element output is taken from the check, not evaluated again)."""
     d = frame.v.shape[1]
     rule, fine = _rule(q, d), _rule(CHECK_FACTOR * q, d)
 
@@ -303,13 +297,14 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
         el, rest, _ = _log_c(joint, place(u, t), u, t, rule)
         return jnp.sum(el) + rest, el, rest
 
-    def check(u: jax.Array) -> jax.Array:
+    def check(u: jax.Array, elements: bool = False) -> jax.Array | tuple:
         where = place(u, temperature)
         coarse = _log_c(joint, where, u, temperature, rule)[0]
         finer, _, lost = _log_c(joint, where, u, temperature, fine)
         # the fine rule's nodes where the log density is NaN (counted as zero) are counted
         # as the rule's Gaussian weighs them: log c_n is then higher by -log(1 - lost_n)
-        return jnp.sum(finer) - jnp.sum(jnp.log1p(-lost)) - jnp.sum(coarse)
+        value = jnp.sum(finer) - jnp.sum(jnp.log1p(-lost)) - jnp.sum(coarse)
+        return (value, coarse) if elements else value
 
     return _Target(init, log_prior, pieces), check
 
@@ -362,7 +357,8 @@ def build_quadrature_runner(
 
         def one(k: jax.Array, t: jax.Array, frame: _Frame, ref: tuple) -> tuple:
             target, check = _quad_target(joint, best(frame), t, q)
-            return _smc(target, settings, k, t, ref, per_element, final=check)
+            return _smc(target, settings, k, t, ref, per_element,
+                        final=lambda u: check(u, True))
 
         keys = random.split(key_runs, settings.num_replicates)
         *out, quad = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, None, None, None))(

@@ -428,14 +428,27 @@ def _solve_upper(up: jax.Array, b: jax.Array) -> jax.Array:
     return jax.lax.fori_loop(0, dim, step, jnp.zeros_like(b))
 
 
+def _value_grad_hessian(fn: Callable, u: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``fn(u)``, its gradient and its Hessian in one traced pass (forward over reverse:
+    the Hessian's columns are the tangents of the gradient, whose primal is the value and
+    the gradient): one copy of ``fn`` for XLA to compile, not three."""
+    eye = jnp.eye(u.shape[-1], dtype=u.dtype)
+    (f, g), (_, h) = jax.vmap(lambda e: jax.jvp(jax.value_and_grad(fn), (u,), (e,)),
+                              out_axes=((None, None), (0, 0)))(eye)
+    return f, g, h.T
+
+
 def _newton(
     target: _Target, temperature: jax.Array, start: jax.Array, steps: int = NEWTON_STEPS
 ) -> tuple[jax.Array, jax.Array]:
     """The mode of ``log p + L_T`` by ``steps`` damped Newton steps from ``start``
     (Levenberg-Marquardt: a step that does not decrease ``-(log p + L_T)``, or whose damped
     Hessian is not positive definite, is refused and the damping raised), and the Hessian of
-    ``-(log p + L_T)`` there (one loop: its last pass only evaluates, so that the model's
-    Hessian is compiled once). Only plain ``jax.numpy`` linear algebra (:func:`_cholesky`)."""
+    ``-(log p + L_T)`` there. One loop of ``steps + 1`` passes, each evaluating the value,
+    gradient and Hessian at one point (:func:`_value_grad_hessian`): pass 0 at ``start``,
+    pass ``k`` at the candidate of step ``k``, kept (with its gradient and Hessian) where
+    the step is taken, so that the model's Hessian is compiled once. Only plain
+    ``jax.numpy`` linear algebra (:func:`_cholesky`)."""
 
     def neg(u: jax.Array) -> jax.Array:
         value = -(target.log_prior(u) + target.pieces(u, temperature)[0])
@@ -444,21 +457,20 @@ def _newton(
     eye = jnp.eye(start.shape[-1], dtype=start.dtype)
 
     def newton(i: jax.Array, carry: tuple) -> tuple:
-        u, f, lam, _ = carry
-        g = jax.grad(neg)(u)
-        h = jax.hessian(neg)(u)
-        h = 0.5 * (h + h.T)
+        u, f, g, h, lam, cand = carry
+        f_c, g_c, h_c = _value_grad_hessian(neg, cand)
+        ok = jnp.isfinite(f_c) & (f_c <= f) & jnp.all(jnp.isfinite(cand))
+        take = ok | (i == 0)  # pass 0 evaluates the start
+        lam = jnp.where(i == 0, lam, jnp.where(ok, lam / 10, lam * 10))
+        u, f = jnp.where(take, cand, u), jnp.where(take, f_c, f)
+        g, h = jnp.where(take, g_c, g), jnp.where(take, 0.5 * (h_c + h_c.T), h)
         damp = lam * (jnp.mean(jnp.abs(jnp.diag(h))) + 1.0)
         low = _cholesky(h + damp * eye)
-        new = u - _solve_upper(low.T, _solve_lower(low, g))
-        f_new = neg(new)
-        ok = jnp.isfinite(f_new) & (f_new <= f) & jnp.all(jnp.isfinite(new)) & (i < steps)
-        return (jnp.where(ok, new, u), jnp.where(ok, f_new, f),
-                jnp.where(ok, lam / 10, lam * 10), h)
+        return u, f, g, h, lam, u - _solve_upper(low.T, _solve_lower(low, g))
 
     lam0 = jnp.asarray(1e-3, start.dtype)
-    carry = (start, neg(start), lam0, eye)
-    mode, _, _, hess = jax.lax.fori_loop(0, steps + 1, newton, carry)
+    carry = (start, jnp.asarray(jnp.inf, start.dtype), jnp.zeros_like(start), eye, lam0, start)
+    mode, _, _, hess, _, _ = jax.lax.fori_loop(0, steps + 1, newton, carry)
     return mode, hess
 
 
@@ -494,8 +506,10 @@ def _smc(
     final: Callable | None = None,
 ) -> tuple:
     """One adaptive tempered SMC run at one temperature: (log C-hat, final ESS, stages,
-    last acceptance, E_final[log c_n] or None, lambda reached), and with ``final`` also the
-    weighted mean of ``final(x)`` over the final particles (64 particles at a time)."""
+    last acceptance, E_final[log c_n] or None, lambda reached), and with ``final``
+    (``x -> (value, the target's per-element log c_n)``, evaluated 64 particles at a time;
+    its per-element values stand in for the target's) also the weighted mean of its
+    value over the final particles."""
     num = settings.num_particles
     key_init, key_loop = random.split(key)
     if reference is None:  # path from the prior
@@ -603,12 +617,16 @@ def _smc(
     log_z = jnp.where(done, log_z, jnp.nan)
     ess = 1.0 / jnp.sum(state.weights**2)
     element = None
-    if per_element:
+    if final is not None:  # its per-element values are the target's (one evaluation)
+        values, element = jax.lax.map(final, state.particles, batch_size=64)
+    elif per_element:
         element = jax.vmap(lambda u: target.pieces(u, temperature)[1])(state.particles)
+    if per_element:
         element = jnp.sum(state.weights[:, None] * element, 0)
+    else:
+        element = None
     out = (log_z, ess, stages, acc, element, state.tempering_param)
     if final is not None:
-        values = jax.lax.map(final, state.particles, batch_size=64)
         out = (*out, jnp.sum(state.weights * values))
     return out
 

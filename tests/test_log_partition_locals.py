@@ -300,10 +300,12 @@ class TestPoissonFunnel:
         check_contract(est, exact)
         assert np.all(np.abs(est.quadrature_error) < 1e-3), est.quadrature_error
         assert not any("cannot be trusted" in m for m in messages), messages
-        # not the contract's 90 s: XLA compiles this runner (a series normaliser inside
-        # the nodes, the Newton steps and the HMC gradients) for ~80 s (measured: 89 s a
-        # first call at four temperatures on an idle machine, 82 s before the fixes, which
-        # gave NaN; 104-116 s at these two temperatures while other jobs loaded it)
+        # not the contract's 90 s: XLA lowers and compiles this runner (a series
+        # normaliser inside the nodes, the Newton steps and the HMC gradients) for 33-51 s
+        # (measured at these two temperatures, interleaved with the code before its
+        # duplicate traces were removed: 52 s a first call on a quiet machine, 69 s before;
+        # 89 s, 114 s before, while other jobs loaded it; 89 s a first call at four
+        # temperatures on an idle machine before, 82 s before the fixes, which gave NaN)
         assert seconds < 180.0
 
 
