@@ -57,10 +57,11 @@ mode tens of conditional standard deviations away lies beyond their nodes and wo
 unseen by both. For d = 1 the check therefore also integrates each element with a **wide
 rule**, the trapezoid rule in :math:`t` on the nodes :math:`e = \sinh t`, :math:`|t| \le`
 ``WIDE_REACH`` (~900 conditional standard deviations), and takes the larger of the two per
-element: on a double well 28 standard deviations apart the estimate, 159-195 nats low with
-a standard error of 0.05, is now flagged with a measured error of 175-214 nats
-(``tests/test_log_partition_locals.py``). A mode beyond the reach, or narrower than the wide
-rule's spacing where it lies (about an eighth of its distance), can still escape.
+element: on a double well 28 standard deviations apart (N = 200, T = 3 and 10) the
+estimate, 159-195 nats low with a standard error of 0.05, is now flagged with a measured
+error of 175-193 nats (``tests/test_log_partition_locals.py``, N = 100). A mode beyond the
+reach, or narrower than the wide rule's spacing where it lies (about an eighth of its
+distance), can still escape.
 
 **Served** (the default ``route="auto"`` of
 :func:`~numpyro_tempering.partition_function.log_partition`, or ``route="quadrature"``):
