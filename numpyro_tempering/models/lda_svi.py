@@ -80,6 +80,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from scipy.special import logsumexp
 
 from numpyro_tempering import schedules
 from numpyro_tempering.models import lda_partition
@@ -602,9 +603,9 @@ def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     tangents = bound[..., None] + (inv_temps - anchors[:, None])[:, None, :] * ell[..., None]
     best = jnp.argmax(tangents, axis=0)  # (B, M): the anchor serving each rung
     value = jnp.max(tangents, axis=0)
-    r = posterior_from_arrays(value, log_pi, inv_temps, log_c).probs
-    logits = value + log_pi - log_c
-    log_r = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    post = posterior_from_arrays(value, log_pi, inv_temps, log_c)
+    r = post.probs
+    log_r = value + log_pi - log_c - post.log_marginal[:, None]  # below the float range too
     served = best[None] == jnp.arange(num_anchors)[:, None, None]  # (J, B, M)
     weight = jnp.sum(jnp.where(served, r * inv_temps, 0.0), axis=-1)  # (J, B)
     row_weight = jnp.take(weight / anchors[:, None], jnp.minimum(row_doc, batch - 1), axis=1)
@@ -1192,7 +1193,7 @@ def fit(
             first = max(computed, i - RISK_WINDOW)
             log_moves = np.stack([np.asarray(x.log_rung_words, np.float64)
                                   for x in infos[first:i]])
-            log_moves = _np_logsumexp(log_moves, axis=0) - math.log(i - first)
+            log_moves = logsumexp(log_moves, axis=0) - math.log(i - first)
             words = np.mean([lengths[d].sum() for d in batches[first:i]])
             computed = i
             all_log_c = put(jnp.asarray(normaliser.table(state.lam, log_moves, words), dtype),
@@ -1256,7 +1257,7 @@ def _rungs_to_refresh(log_moves: np.ndarray, bound: np.ndarray, max_length: int,
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         # log(e^e - 1) = e + log(1 - e^-e); -inf where the bracket is 0
         log_expm1 = e + np.log(-np.expm1(-e))
-        at_risk = np.exp(_np_logsumexp(log_ratio + log_expm1, axis=0))
+        at_risk = np.exp(logsumexp(log_ratio + log_expm1, axis=0))
     at_risk = np.where(np.isnan(at_risk), np.inf, at_risk)
     order = np.argsort(at_risk, kind="stable")
     stale = np.cumsum(at_risk[order]) <= tolerance
@@ -1447,26 +1448,19 @@ def document_log_partition(
         log_beta = np.log(np.maximum(rng.dirichlet(np.full(vocab_size, eta), num_topics), tiny))
         theta = rng.dirichlet(np.full(num_topics, alpha), num_theta)
         if form == "joint":
-            b = _np_logsumexp(inv_t[:, None, None] * log_beta[None], axis=-1)  # (M, K)
+            b = logsumexp(inv_t[:, None, None] * log_beta[None], axis=-1)  # (M, K)
             log_theta = np.log(np.maximum(theta, tiny))
-            log_s.append(_np_logsumexp(inv_t[:, None, None] * log_theta[None]
+            log_s.append(logsumexp(inv_t[:, None, None] * log_theta[None]
                                        + b[:, None, :], axis=-1))  # (M, S_theta)
         else:
             log_p = np.log(theta @ np.exp(log_beta))  # (S_theta, V)
-            log_s.append(np.stack([_np_logsumexp(t * log_p, axis=-1) for t in inv_t]))
+            log_s.append(np.stack([logsumexp(t * log_p, axis=-1) for t in inv_t]))
     log_s = np.concatenate(log_s, axis=1)  # (M, S)
 
     def log_c(lengths: np.ndarray) -> np.ndarray:
         uniq, inverse = np.unique(np.asarray(lengths, np.float64), return_inverse=True)
-        table = _np_logsumexp(uniq[:, None, None] * log_s[None], axis=-1) - np.log(
+        table = logsumexp(uniq[:, None, None] * log_s[None], axis=-1) - np.log(
             log_s.shape[1])  # (U, M)
         return table[inverse.reshape(-1)]
 
     return log_c
-
-
-def _np_logsumexp(x: np.ndarray, axis: int) -> np.ndarray:
-    m = np.max(x, axis=axis, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)  # all -inf: -inf, not NaN
-    with np.errstate(divide="ignore"):
-        return np.squeeze(m, axis) + np.log(np.sum(np.exp(x - m), axis=axis))
