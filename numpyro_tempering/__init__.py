@@ -8,6 +8,7 @@ from numpyro_tempering import (
     partition,
     schedules,
     temperatures,
+    tempered_families,  # registers its closed forms with partition's registry
     warmstart,
 )
 from numpyro_tempering.engine import LogWeights, log_weights
@@ -55,5 +56,6 @@ __all__ = [
     "temperature_history",
     "temperature_posterior",
     "temperatures",
+    "tempered_families",
     "warmstart",
 ]

@@ -145,8 +145,10 @@ def _check_log_c(log_c: np.ndarray, stderr: np.ndarray | None, temps: np.ndarray
     if np.any(bad):
         raise ValueError(
             f"`log_c` must be finite; it is {log_c[bad].tolist()} at temperatures "
-            f"{temps[bad].tolist()} (numerical trouble in the log C estimate: check the "
-            "model's tempered sites, or the estimate's num_nonfinite)."
+            f"{temps[bad].tolist()} (+inf: the tempered model is improper there, e.g. a "
+            "heavy-tailed likelihood at a high temperature -- leave those temperatures out; "
+            "NaN: numerical trouble in the log C estimate -- check the model's tempered "
+            "sites, or the estimate's num_nonfinite)."
         )
     if stderr is not None and (not np.all(np.isfinite(stderr)) or np.any(stderr < 0)):
         raise ValueError(f"`stderr` must be finite and >= 0, got {stderr}.")
@@ -583,6 +585,13 @@ class Ladder:
             raise ValueError(
                 f"the estimate is for temperatures {theirs.tolist()}, not the ladder's "
                 f"{temps.tolist()}."
+            )
+        if est.divergent is not None and np.any(est.divergent):
+            raise ValueError(
+                f"log C = +inf at temperatures {temps[np.asarray(est.divergent)].tolist()}: "
+                "the tempered model is improper there (a tempered site's normaliser "
+                "diverges, e.g. a heavy-tailed likelihood at a high temperature); leave "
+                "those temperatures out of the ladder."
             )
         bad = np.asarray(est.num_nonfinite)
         if np.any(bad):

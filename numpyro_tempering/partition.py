@@ -70,6 +70,9 @@ Closed forms (``a' = 1 + (a - 1)/T``, elementwise)
   Independent(tempered base). ExpandedDistribution: the base's, broadcast; law the tempered
   base, expanded. MaskedDistribution: ``where(mask, log Z_base, 0)`` (masked-out sites are
   not part of the joint); law Masked(tempered base, mask).
+* StudentT, Cauchy, Laplace, Logistic, Gumbel, HalfNormal, HalfCauchy, LogNormal,
+  InverseGamma: closed forms in :mod:`numpyro_tempering.tempered_families` (registered when
+  the package is imported).
 * MixtureSameFamily / MixtureGeneral of univariate continuous components (the *marginal*
   tempered, ``(sum_k w_k p_k(x))^{1/T}``): no closed form; a double-exponential rule per
   component (see "Mixtures" below); law :class:`TemperedDistribution` (``log_prob`` only).
@@ -1187,6 +1190,8 @@ _QUAD_NODES = np.arange(-round(_QUAD_TMAX / _QUAD_STEP), round(_QUAD_TMAX / _QUA
 _HALF_PI = 0.5 * math.pi
 #: tolerance of the quadrature self-checks (see :func:`_checked_integral`)
 _QUAD_TOL = 1e-3
+#: nodes more than this many nats below the largest term are left out (< 1e-34 of it)
+_QUAD_NEGLIGIBLE = 80.0
 
 
 def _log_cosh(x: Array) -> Array:
@@ -1294,8 +1299,19 @@ def _checked_integral(log_f: Array, t: Array, axes: tuple[int, ...]) -> Array:
 
 def _quadrature_log_z(d: Distribution, t: Array, kind: str) -> Array:
     x, log_w = _quadrature_nodes(d, t, kind)
-    log_p = _finite_log_prob(d.log_prob(x))
-    return _checked_integral(log_p / t + log_w, t, (0,))
+    # nodes where the density is not finite (or x itself overflowed, far out at a large
+    # scale) count as zero density, and so do nodes whose share of the integral is below
+    # e^-QUAD_NEGLIGIBLE; the density is evaluated at the centre node instead, so that no
+    # derivative of a discarded node reaches the gradient (0 * nan = nan, 0 * inf = nan:
+    # the gradient in the scale was NaN beyond ~1e8 in float32, the curvature beyond ~1e4)
+    first = lax.stop_gradient(d.log_prob(lax.stop_gradient(x)) / t + log_w)
+    finite = lax.stop_gradient(jnp.isfinite(x)) & jnp.isfinite(first)
+    top = jnp.max(jnp.where(finite, first, -jnp.inf), axis=0)
+    keep = finite & (first > top - _QUAD_NEGLIGIBLE)
+    centre = jnp.broadcast_to(x[_QUAD_NODES.size // 2], x.shape)
+    log_p = d.log_prob(jnp.where(keep, x, lax.stop_gradient(centre)))
+    log_f = jnp.where(keep, log_p / t + jnp.where(keep, log_w, 0.0), -jnp.inf)
+    return _checked_integral(log_f, t, (0,))
 
 
 _quadrature_log_z_jit = jax.jit(_quadrature_log_z, static_argnums=2)

@@ -760,6 +760,13 @@ class LogPartitionEstimate(NamedTuple):
             twice the nodes, averaged over the final weighted particles and the replicates),
             already added to ``stderr``; a temperature where it exceeds
             :data:`~numpyro_tempering.local_quadrature.QUAD_TOLERANCE` is flagged.
+        divergent: ``(M,)`` where :math:`\log C(T) = +\infty` exactly: a tempered site's
+            normaliser :math:`\int p(x \mid \beta)^{1/T} dx` is :math:`+\infty` (its
+            integral diverges, e.g. a Student-t likelihood with ``(df + 1) / T <= 1``) at
+            the prior draws of the globals; there ``log_c`` is ``+inf``, ``stderr`` 0, and
+            the temperature is not flagged (a warning names it; a
+            :class:`~numpyro_tempering.ladder.Ladder` refuses it: the multicanonical model
+            is improper at that rung).
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -789,6 +796,7 @@ class LogPartitionEstimate(NamedTuple):
     missed_mass: np.ndarray | None = None
     route: str | None = None
     quadrature_error: np.ndarray | None = None
+    divergent: np.ndarray | None = None
 
     def _missed_or_quadrature(self) -> np.ndarray | None:
         if self.quadrature_error is None:
@@ -802,6 +810,8 @@ class LogPartitionEstimate(NamedTuple):
     def flagged(self) -> np.ndarray:
         """Per temperature: whether the estimate cannot be trusted (:func:`flag_untrusted`,
         or :func:`~numpyro_tempering.tempered_smc.flag_smc` for ``method="smc"``)."""
+        exact = np.zeros(np.shape(self.temperatures), bool) if self.divergent is None else (
+            np.asarray(self.divergent))
         if self.method == "smc":
             from numpyro_tempering.tempered_smc import flag_smc
 
@@ -811,12 +821,13 @@ class LogPartitionEstimate(NamedTuple):
                 self.replicate_log_c,
                 self.acceptance,
                 self.num_nonfinite,
-                exact=np.asarray(self.temperatures) == 1.0,
+                exact=(np.asarray(self.temperatures) == 1.0) | exact,
                 missed=self._missed_or_quadrature(),
             )
         if self.num_samples is None:  # built by hand: only non-finite draws can be judged
-            return np.asarray(self.num_nonfinite) > 0
-        return flag_untrusted(self.ess, self.pareto_k, self.num_samples, self.num_nonfinite)
+            return (np.asarray(self.num_nonfinite) > 0) & ~exact
+        flags = flag_untrusted(self.ess, self.pareto_k, self.num_samples, self.num_nonfinite)
+        return np.asarray(flags) & ~exact
 
 
 def _summarise(log_c_s: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -856,10 +867,11 @@ def _prior_estimate(
     plate: str | None,
     batch_size: int | None,
     fallback: Fallback,
-) -> tuple[LogPartitionEstimate, list[str], bool]:
+) -> tuple[LogPartitionEstimate, list[str], bool, list[str]]:
     """The plain Monte Carlo estimate (method ``"prior"``), without its warnings; also the
-    sites whose normaliser at T = 1 is NaN, and whether every draw gave the same value
-    (contributions free of the globals: exact). Checks ``log Z(1) = 0``."""
+    sites whose normaliser at T = 1 is NaN, whether every draw gave the same value
+    (contributions free of the globals: exact), and the sites whose normaliser is +inf at
+    some temperature (``divergent``). Checks ``log Z(1) = 0``."""
     num_temps = temps.shape[0]
     per_element = plate is not None
 
@@ -877,13 +889,16 @@ def _prior_estimate(
     run_temps = _with_one(temps)
     log_c_s, log_c, stderr, ess, bad, element, site_log_z = run(rng_key, run_temps)
     nan_sites = _check_log_z_one(site_log_z, run_temps, "log C")
+    infinite = sorted(n for n, v in site_log_z.items()
+                      if np.any(np.asarray(v)[..., :num_temps] == np.inf))
     if element is not None and element.shape[-1] != structure.sizes.plate_size(plate):
         element = None  # a subsampled plate: only B of the N elements were visited
     cut = slice(0, num_temps)
+    divergent = np.any(np.asarray(log_c_s)[:, cut] == np.inf, axis=0)
     est = LogPartitionEstimate(
         temps,
-        log_c[cut],
-        stderr[cut],
+        np.where(divergent, np.inf, np.asarray(log_c[cut])),
+        np.where(divergent, 0.0, np.asarray(stderr[cut])),
         ess[cut],
         bad[cut],
         structure.sizes,
@@ -893,11 +908,12 @@ def _prior_estimate(
         plate=plate if element is not None else None,
         replicate_log_c=np.asarray(log_c_s)[:, cut],
         selection=selection,
+        divergent=divergent,
     )
-    constant = bool(
-        np.all(np.ptp(np.asarray(log_c_s), axis=0) <= 1e-5 * (1.0 + np.abs(np.asarray(log_c))))
-    )
-    return est, nan_sites, constant
+    with np.errstate(invalid="ignore"):  # inf - inf where divergent: not constant
+        constant = bool(np.all(
+            np.ptp(np.asarray(log_c_s), axis=0) <= 1e-5 * (1.0 + np.abs(np.asarray(log_c)))))
+    return est, nan_sites, constant, infinite
 
 
 #: compiled estimators (tempered SMC, prior Monte Carlo, analytic, Jensen), per model,
@@ -1275,7 +1291,9 @@ def _smc_estimate(
         stderr = stderr + np.abs(quad_error)
     element = None
     if per_element:
-        mean = np.nanmean(np.asarray(out.element_mean, np.float64), axis=0)  # (M, E)
+        with warnings.catch_warnings():  # every replicate NaN at a rung: NaN, flagged
+            warnings.simplefilter("ignore", RuntimeWarning)
+            mean = np.nanmean(np.asarray(out.element_mean, np.float64), axis=0)  # (M, E)
         element = mean + ((log_c - mean.sum(-1)) / mean.shape[-1])[:, None]
         element = np.where(one[:, None], 0.0, element)
     return LogPartitionEstimate(
@@ -1478,7 +1496,7 @@ def log_partition(
         return locals_known[0]
 
     def prior() -> LogPartitionEstimate:
-        est, nan_sites, _ = _prior_estimate(
+        est, nan_sites, _, infinite = _prior_estimate(
             rng_key,
             model,
             selection,
@@ -1490,6 +1508,7 @@ def log_partition(
             **prior_kwargs,
         )
         _warn_untrusted(est, nan_sites)
+        _warn_divergent(est, infinite)
         if num_inner == 1 and locals_matter():
             _warn_single_inner(structure.local_latents)
         return est
@@ -1548,7 +1567,7 @@ def log_partition(
             return prior()
     else:
         local = None
-    probe, _, constant = _prior_estimate(
+    probe, _, constant, infinite = _prior_estimate(
         random.fold_in(rng_key, 2),
         model,
         selection,
@@ -1560,6 +1579,7 @@ def log_partition(
         **prior_kwargs,
     )
     if constant and not locals_joint:
+        _warn_divergent(probe, infinite)
         return probe  # the contributions do not depend on the globals: exact
     subsampled = _subsampled_plates(marked, args, kwargs)
     if subsampled:
@@ -1590,8 +1610,36 @@ def log_partition(
         rng_key, model, marked, selection, temps, structure, args,
         kwargs, global_names, settings, plate, fallback, progress_bar, ladder, local,
     )
+    est = _with_divergent(est, probe.divergent)
     _warn_untrusted_smc(est, settings.max_stages)
+    _warn_divergent(est, infinite)
     return est
+
+
+def _with_divergent(est: LogPartitionEstimate, divergent: np.ndarray) -> LogPartitionEstimate:
+    """``est`` with log C = +inf (exact, standard error 0) where the prior draws found a
+    tempered site's normaliser infinite."""
+    divergent = np.asarray(divergent, bool)
+    return est._replace(
+        log_c=np.where(divergent, np.inf, np.asarray(est.log_c)),
+        stderr=np.where(divergent, 0.0, np.asarray(est.stderr)),
+        divergent=divergent,
+    )
+
+
+def _warn_divergent(est: LogPartitionEstimate, sites: list[str]) -> None:
+    if est.divergent is None or not np.any(est.divergent):
+        return
+    temps = np.asarray(est.temperatures)[np.asarray(est.divergent)]
+    warnings.warn(
+        f"log_partition: log C(T) = +inf at T = {_rounded(temps[:8], 4)}: the tempered "
+        f"normaliser int p(x | globals)^(1/T) dx of site(s) {sites} is infinite there (the "
+        "integral diverges: a density with tails too heavy for that temperature, e.g. a "
+        "Student-t with (df + 1) / T <= 1). The tempered model is improper at these "
+        "temperatures: leave them out of a Ladder.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def analytic_log_partition(
