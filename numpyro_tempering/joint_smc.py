@@ -332,6 +332,20 @@ def _schur(h_uu: jax.Array, h_vu: jax.Array, h_vv: jax.Array) -> tuple:
 LOCAL_STEP_FRACTIONS = (1.0, 0.5, 0.25, 0.125, 1 / 32)
 #: conditional Newton steps of the locals before and after the joint Newton steps
 LOCAL_POLISH_STEPS = 8
+#: longest step of the polish from prior draws (:func:`_conditional_modes`, unconstrained
+#: units): where the log density is nearly flat the Newton step is enormous and every
+#: fraction of it overshoots into the float range's end (a Gamma(0.5) local drawn at
+#: log z = -30: a step of ~1e13), so the element never moved, the joint modes were wrong,
+#: and the quadrature's nodes sat in the locals' tails, hundreds of nats off (flagged)
+LOCAL_MAX_STEP = 4.0
+
+
+def _capped_step(dv: jax.Array) -> jax.Array:
+    """Per element, ``dv`` (N, d) shortened to at most :data:`LOCAL_MAX_STEP` in its
+    largest coordinate; non-finite steps are 0."""
+    dv = jnp.where(jnp.isfinite(dv), dv, 0.0)
+    size = jnp.max(jnp.abs(dv), axis=-1, keepdims=True)
+    return dv * jnp.minimum(1.0, LOCAL_MAX_STEP / jnp.maximum(size, LOCAL_MAX_STEP))
 
 
 def _local_curvature(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array,
@@ -374,8 +388,7 @@ def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, 
     def step(_: int, carry: tuple) -> tuple:
         w, f = carry
         g, low, _ = _local_curvature(joint, t, u, w, fallback)
-        dv = jax.vmap(_chol_solve)(low, g)
-        dv = jnp.where(jnp.isfinite(dv), dv, 0.0)
+        dv = _capped_step(jax.vmap(_chol_solve)(low, g))
         cands = w + jnp.asarray(fractions, w.dtype)[:, None, None] * dv  # (F, N, d)
         f_c = jax.vmap(el)(cands)  # (F, N)
         better = jnp.isfinite(f_c) & (f_c > f)
@@ -385,6 +398,7 @@ def _conditional_modes(joint: _Joint, t: jax.Array, u: jax.Array, v: jax.Array, 
         new_f = jnp.where(take, jnp.take_along_axis(f_c, first[None], 0)[0], f)
         return new_w, new_f
 
+    v = jnp.where(jnp.isfinite(v), v, 0.0)  # e.g. log 0 of a prior draw that underflowed
     v, _ = jax.lax.fori_loop(0, steps, step, (v, el(v)))
     return v
 
