@@ -57,19 +57,20 @@ def bimodal_exact(T, asym):
 # the far mode: y_n ~ N(0, exp(h(b))), b ~ N(0, 1), h(b) = 0.1 exp(-b^2 / 0.18) + 0.05 b:
 # L_T(b) = N [(1 - a)/2 log(2 pi) + (1 - a) h(b) + log(T)/2]; the linear part puts the
 # dominant mode at b = 0.05 N (1 - a) (17 at T = 3.16, 22.5 at T = 10), the bump a minor
-# one at 0
-def far_model(y):
+# one at 0. The needle: no slope, and a narrow bump height exp(-(b - 5)^2 / 0.02) 5 prior
+# sds out, dominant (its basin holds a few millionths of the prior's mass)
+def far_model(y, slope=0.05, needle=0.0):
     b = numpyro.sample("b", dist.Normal(0.0, 1.0))
-    h = 0.1 * jnp.exp(-(b**2) / 0.18) + 0.05 * b
+    h = 0.1 * jnp.exp(-(b**2) / 0.18) + slope * b + needle * jnp.exp(-((b - 5.0) ** 2) / 0.02)
     with numpyro.plate("data", y.shape[0]):
         numpyro.sample("y", dist.Normal(0.0, jnp.exp(h)), obs=y)
 
 
-def far_exact(T, upper=45.0):
+def far_exact(T, upper=45.0, slope=0.05, needle=0.0):
     """log C(T) by quadrature over b in [-8, upper] (upper = 3: the minor mode alone)."""
     a = 1.0 / T
-    b = np.linspace(-8.0, upper, 530_001)
-    h = 0.1 * np.exp(-(b**2) / 0.18) + 0.05 * b
+    b = np.linspace(-8.0, upper, 530_001)  # step 1e-4: ~100 points per sd of the needle
+    h = 0.1 * np.exp(-(b**2) / 0.18) + slope * b + needle * np.exp(-((b - 5.0) ** 2) / 0.02)
     log_l = N * (0.5 * (1 - a) * np.log(2 * np.pi) + (1 - a) * h + 0.5 * np.log(T))
     return log_quadrature(-0.5 * b**2 - 0.5 * np.log(2 * np.pi) + log_l, b)
 
@@ -103,9 +104,26 @@ def test_a_dominant_mode_far_in_the_prior_tail_is_found():
     assert np.all(exact[1:] - minor > 5.0), exact[1:] - minor
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "log_partition: the tempered SMC")
-        est = log_partition(KEY, far_model, TEMPS, jnp.zeros(N), plate="data",
-                            progress_bar=False)
+        est = log_partition(KEY, far_model, TEMPS, jnp.zeros(N), jnp.asarray(0.05),
+                            jnp.asarray(0.0), plate="data", progress_bar=False)
     check(est, exact)
+
+
+def test_a_narrow_mode_no_prior_draw_reaches_is_found_by_the_grid_starts():
+    """A bump of width 0.1 at 5 prior sds (dominant at N = 500): the Newton starts and
+    the missed-mass check all came from prior draws and missed it by 47-97 nats with a
+    standard error of 0.05 and no flag; with one global, Newton also starts from the
+    tilted target's largest maxima on a grid (tempered_smc.GRID_STARTS)."""
+    exact = np.array([far_exact(T, 12.0, 0.0, 0.3) for T in TEMPS])
+    without = np.array([far_exact(T, 3.0, 0.0, 0.3) for T in TEMPS[1:]])
+    assert np.all(exact[1:] - without > 40.0), exact[1:] - without  # the test can fail
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "log_partition: the tempered SMC")
+        est = log_partition(KEY, far_model, TEMPS, jnp.zeros(N), jnp.asarray(0.0),
+                            jnp.asarray(0.3), plate="data", progress_bar=False)
+    log_c, se = np.asarray(est.log_c, np.float64), np.asarray(est.stderr, np.float64)
+    err = np.abs(log_c - exact)
+    assert np.all(err < 0.1) and np.all(err <= 4 * se + 0.02), (log_c, exact, se)
 
 
 # the ring: (u, v) ~ N(0, 2^2 I), N_RING Bernoulli observations with logit
@@ -240,3 +258,20 @@ def test_disagreeing_replicates_give_an_error_of_their_disagreement():
     cov = replicate_covariance(reps)
     assert cov.shape == (2, 2) and np.allclose(cov, cov.T)
     assert cov[0, 0] == pytest.approx(delta**2, rel=1e-6)
+
+
+def test_the_ladder_route_flags_the_narrow_mode_it_cannot_reach():
+    """The ladder route walks from the prior, so the needle above is beyond it (13-97 nats
+    low with standard errors of 0.03, unflagged, before): the grid's trapezoid rule in the
+    missed-mass check sees it, flags every rung past T = 1 and raises the standard error to
+    at least the shortfall."""
+    temps = np.geomspace(1.0, 10.0, 8)
+    exact = np.array([far_exact(T, 12.0, 0.0, 0.3) for T in temps])
+    with pytest.warns(UserWarning, match="a mode was missed"):
+        est = log_partition(KEY, far_model, temps, jnp.zeros(N), jnp.asarray(0.0),
+                            jnp.asarray(0.3), plate="data", progress_bar=False)
+    assert est.route == "ladder"
+    log_c, se = np.asarray(est.log_c, np.float64), np.asarray(est.stderr, np.float64)
+    wrong = np.abs(log_c - exact) > 0.1
+    assert wrong[1:].all() and est.flagged[1:].all() and np.all(est.missed_mass[1:])
+    assert np.all(np.abs(log_c - exact)[1:] <= se[1:] + 1.0)  # the error bar reaches it
