@@ -698,8 +698,11 @@ def global_log_prior(tr: dict, global_names: tuple[str, ...], dtype: Any) -> jax
 
 
 def _grid(draws: jax.Array) -> jax.Array:
-    """(GRID_POINTS,): the prior draws' median +- GRID_REACH of their sds (one global)."""
-    centre, sd = jnp.median(draws[:, 0]), jnp.std(draws[:, 0])
+    """(GRID_POINTS,): the prior draws' median +- GRID_REACH of their scale (one global): the
+    interquartile range / 1.349, the sd of a normal prior and robust to a heavy-tailed one
+    (a Cauchy prior's sample sd would spread the grid over its largest draws)."""
+    q1, centre, q3 = jnp.percentile(draws[:, 0], jnp.array([25.0, 50.0, 75.0]))
+    sd = (q3 - q1) / 1.349
     sd = jnp.where(jnp.isfinite(sd) & (sd > 0), sd, 1.0)
     return centre + sd * jnp.linspace(-GRID_REACH, GRID_REACH, GRID_POINTS, dtype=draws.dtype)
 
