@@ -1310,7 +1310,7 @@ def _quadrature_log_z(d: Distribution, t: Array, kind: str) -> Array:
     keep = finite & (first > top - _QUAD_NEGLIGIBLE)
     centre = jnp.broadcast_to(x[_QUAD_NODES.size // 2], x.shape)
     log_p = d.log_prob(jnp.where(keep, x, lax.stop_gradient(centre)))
-    log_f = jnp.where(keep, log_p / t + jnp.where(keep, log_w, 0.0), -jnp.inf)
+    log_f = jnp.where(keep, log_p / t + log_w, -jnp.inf)
     return _checked_integral(log_f, t, (0,))
 
 

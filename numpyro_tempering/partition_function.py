@@ -894,11 +894,10 @@ def _prior_estimate(
     if element is not None and element.shape[-1] != structure.sizes.plate_size(plate):
         element = None  # a subsampled plate: only B of the N elements were visited
     cut = slice(0, num_temps)
-    divergent = np.any(np.asarray(log_c_s)[:, cut] == np.inf, axis=0)
     est = LogPartitionEstimate(
         temps,
-        np.where(divergent, np.inf, np.asarray(log_c[cut])),
-        np.where(divergent, 0.0, np.asarray(stderr[cut])),
+        log_c[cut],
+        stderr[cut],
         ess[cut],
         bad[cut],
         structure.sizes,
@@ -908,8 +907,8 @@ def _prior_estimate(
         plate=plate if element is not None else None,
         replicate_log_c=np.asarray(log_c_s)[:, cut],
         selection=selection,
-        divergent=divergent,
     )
+    est = _with_divergent(est, np.any(np.asarray(log_c_s)[:, cut] == np.inf, axis=0))
     with np.errstate(invalid="ignore"):  # inf - inf where divergent: not constant
         constant = bool(np.all(
             np.ptp(np.asarray(log_c_s), axis=0) <= 1e-5 * (1.0 + np.abs(np.asarray(log_c)))))

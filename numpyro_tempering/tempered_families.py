@@ -59,6 +59,7 @@ from numpyro_tempering.partition import (
     TemperedResult,
     _check_proper,
     _law,
+    _normal_core,
     _one_minus_inv,
     _wrap,
     register_tempered,
@@ -66,27 +67,24 @@ from numpyro_tempering.partition import (
 
 __all__: list[str] = []
 
-_LOG_2PI = math.log(2.0 * math.pi)
 _LOG_PI = math.log(math.pi)
 
-
-def _student_log_z(df: Array, scale: Array, t: Array) -> tuple[Array, Array, Array]:
-    """log Z, nu' and whether it is finite, for a Student-t of ``df`` and ``scale``."""
-    a = 1.0 / t
-    df_t = a * (df + 1.0) - 1.0
-    ok = df_t > 0
-    m = jnp.where(ok, 0.5 * (df_t + 1.0), 1.0)
-    log_c = gammaln(0.5 * (df + 1.0)) - gammaln(0.5 * df) - 0.5 * (jnp.log(df) + _LOG_PI)
-    log_z = (a * log_c + _one_minus_inv(t) * jnp.log(scale) + 0.5 * (jnp.log(df) + _LOG_PI)
-             + gammaln(m - 0.5) - gammaln(m))
-    return jnp.where(ok, log_z, jnp.inf), df_t, ok
+# As in numpyro_tempering.partition, the array math of each rule is a jitted core: one
+# compilation per shape and dtype instead of one dispatch per primitive in eager mode.
 
 
 @jax.jit
 def _student_core(df: Array, scale: Array, t: Array) -> tuple[Array, ...]:
-    log_z, df_t, ok = _student_log_z(df, scale, t)
+    """log Z, nu', the tempered law's scale, and whether log Z is finite."""
+    a = 1.0 / t
+    df_t = a * (df + 1.0) - 1.0
+    ok = df_t > 0
     safe = jnp.where(ok, df_t, 1.0)
-    return log_z, safe, scale * jnp.sqrt(df / safe), ok
+    m = 0.5 * (safe + 1.0)
+    log_c = gammaln(0.5 * (df + 1.0)) - gammaln(0.5 * df) - 0.5 * (jnp.log(df) + _LOG_PI)
+    log_z = (a * log_c + _one_minus_inv(t) * jnp.log(scale) + 0.5 * (jnp.log(df) + _LOG_PI)
+             + gammaln(m - 0.5) - gammaln(m))
+    return jnp.where(ok, log_z, jnp.inf), safe, scale * jnp.sqrt(df / safe), ok
 
 
 @register_tempered(npd.StudentT)
@@ -121,10 +119,15 @@ def _logistic_sampler(key: Array, td, sample_shape: tuple[int, ...]) -> Array:
     return d.loc + d.scale * (jnp.log(b) - jnp.log1p(-b))
 
 
+@jax.jit
+def _logistic_core(scale: Array, t: Array) -> Array:
+    a = 1.0 / t
+    return _one_minus_inv(t) * jnp.log(scale) + 2.0 * gammaln(a) - gammaln(2.0 * a)
+
+
 @register_tempered(npd.Logistic)
 def _logistic(d: npd.Logistic, t: Array) -> TemperedResult:
-    a = 1.0 / t
-    log_z = _one_minus_inv(t) * jnp.log(d.scale) + 2.0 * gammaln(a) - gammaln(2.0 * a)
+    log_z = _logistic_core(d.scale, t)
     return TemperedResult(log_z, _wrap(d, t, log_z, _logistic_sampler))
 
 
@@ -135,18 +138,24 @@ def _gumbel_sampler(key: Array, td, sample_shape: tuple[int, ...]) -> Array:
     return d.loc - d.scale * (jnp.log(g) - jnp.log(a))
 
 
+@jax.jit
+def _gumbel_core(scale: Array, t: Array) -> Array:
+    a = 1.0 / t
+    return _one_minus_inv(t) * jnp.log(scale) + gammaln(a) - a * jnp.log(a)
+
+
 @register_tempered(npd.Gumbel)
 def _gumbel(d: npd.Gumbel, t: Array) -> TemperedResult:
-    a = 1.0 / t
-    log_z = _one_minus_inv(t) * jnp.log(d.scale) + gammaln(a) - a * jnp.log(a)
+    log_z = _gumbel_core(d.scale, t)
     return TemperedResult(log_z, _wrap(d, t, log_z, _gumbel_sampler))
 
 
 @register_tempered(npd.HalfNormal)
 def _half_normal(d: npd.HalfNormal, t: Array) -> TemperedResult:
-    c = _one_minus_inv(t)
-    log_z = 0.5 * c * (_LOG_2PI + 2.0 * jnp.log(d.scale)) + 0.5 * jnp.log(t) - c * math.log(2.0)
-    return TemperedResult(log_z, _law(d, npd.HalfNormal, d.scale * jnp.sqrt(t)))
+    # 2 p(x) on x > 0: int (2p)^a = 2^(a - 1) int_R p^a, the Normal's less (1 - a) log 2
+    log_z, scale_t = _normal_core(d.scale, t)
+    log_z = log_z - _one_minus_inv(t) * math.log(2.0)
+    return TemperedResult(log_z, _law(d, npd.HalfNormal, scale_t))
 
 
 def _half_cauchy_sampler(key: Array, td, sample_shape: tuple[int, ...]) -> Array:
@@ -159,7 +168,7 @@ def _half_cauchy_sampler(key: Array, td, sample_shape: tuple[int, ...]) -> Array
 
 @register_tempered(npd.HalfCauchy)
 def _half_cauchy(d: npd.HalfCauchy, t: Array) -> TemperedResult:
-    # 2 p(x) on x > 0: int (2p)^a = 2^(a - 1) int_R p^a, i.e. log Z_Cauchy - (1 - a) log 2
+    # as the half-normal: the Cauchy's log Z less (1 - a) log 2
     log_z, _, _, ok = _student_core(jnp.ones_like(d.scale), d.scale, t)
     log_z = log_z - _one_minus_inv(t) * math.log(2.0)
     _check_proper(ok, d, "temperature < 2")
@@ -168,23 +177,27 @@ def _half_cauchy(d: npd.HalfCauchy, t: Array) -> TemperedResult:
 
 @register_tempered(npd.LogNormal)
 def _log_normal(d: npd.LogNormal, t: Array) -> TemperedResult:
-    loc, scale = d.loc, d.scale
+    # y = log x ~ N(mu, s): p(x)^a dx = N(y)^a e^{(1 - a) y} dy, the Normal's log Z plus the
+    # Gaussian integral of e^{(1 - a) y} under the tempered N(mu, s sqrt(T))
+    log_z, scale_t = _normal_core(d.scale, t)
     c = _one_minus_inv(t)
-    log_z = (0.5 * c * (_LOG_2PI + 2.0 * jnp.log(scale)) + 0.5 * jnp.log(t) + c * loc
-             + 0.5 * c * c * scale * scale * t)
-    law = _law(d, npd.LogNormal, loc + c * scale * scale * t, scale * jnp.sqrt(t))
-    return TemperedResult(log_z, law)
+    log_z = log_z + c * d.loc + 0.5 * (c * scale_t) ** 2
+    return TemperedResult(log_z, _law(d, npd.LogNormal, d.loc + c * scale_t**2, scale_t))
 
 
-@register_tempered(npd.InverseGamma)
-def _inverse_gamma(d: npd.InverseGamma, t: Array) -> TemperedResult:
-    alpha, beta = d.concentration, d.rate
+@jax.jit
+def _inverse_gamma_core(alpha: Array, beta: Array, t: Array) -> tuple[Array, ...]:
     a = 1.0 / t
     alpha_t = a * (alpha + 1.0) - 1.0
     ok = alpha_t > 0
     safe = jnp.where(ok, alpha_t, 1.0)
     log_z = (a * (alpha * jnp.log(beta) - gammaln(alpha)) + gammaln(safe)
              - safe * jnp.log(a * beta))
+    return jnp.where(ok, log_z, jnp.inf), safe, a * beta, ok
+
+
+@register_tempered(npd.InverseGamma)
+def _inverse_gamma(d: npd.InverseGamma, t: Array) -> TemperedResult:
+    log_z, alpha_t, beta_t, ok = _inverse_gamma_core(d.concentration, d.rate, t)
     _check_proper(ok, d, "(concentration + 1) / temperature - 1 > 0")
-    return TemperedResult(jnp.where(ok, log_z, jnp.inf),
-                          _law(d, npd.InverseGamma, safe, a * beta))
+    return TemperedResult(log_z, _law(d, npd.InverseGamma, alpha_t, beta_t))
