@@ -713,11 +713,9 @@ def _on_grid(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
     return jnp.where(jnp.isnan(f), -jnp.inf, f)
 
 
-def _grid_starts(target: _Target, t: jax.Array, draws: jax.Array) -> jax.Array:
-    """(GRID_STARTS, 1): the largest local maxima of the tilted target on a grid over the
-    prior draws' median +- GRID_REACH sds (one global coordinate); where there are fewer
-    maxima, the largest again."""
-    grid = _grid(draws)
+def _grid_starts(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
+    """(GRID_STARTS, 1): the largest local maxima of the tilted target on the ``grid`` of
+    :func:`_grid` (one global coordinate); where there are fewer maxima, the largest again."""
     f = _on_grid(target, t, grid)
     low = jnp.full((1,), -jnp.inf, f.dtype)
     left, right = jnp.concatenate([low, f[:-1]]), jnp.concatenate([f[1:], low])
@@ -749,10 +747,11 @@ def build_runner(
             starts = jax.vmap(target.init)(random.split(key_starts, settings.num_starts))
             on_grid = starts.shape[-1] == 1
             if on_grid:
-                draws = jax.vmap(target.init)(random.split(random.fold_in(key_starts, 1), 256))
+                grid = _grid(jax.vmap(target.init)(
+                    random.split(random.fold_in(key_starts, 1), 256)))
 
             def laplace_all(t: jax.Array) -> tuple:
-                both = jnp.concatenate([starts, _grid_starts(target, t, draws)]) if on_grid \
+                both = jnp.concatenate([starts, _grid_starts(target, t, grid)]) if on_grid \
                     else starts
                 return jax.vmap(lambda u: _laplace(target, t, u))(both)
 
