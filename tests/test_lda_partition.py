@@ -248,20 +248,21 @@ def test_refresh_recomputes_only_the_rungs_that_can_matter():
     """lda_svi's normaliser recomputes a rung when the statistics it can move exceed the
     tolerance (given as logs): none, no recomputation (the bracketed table is returned,
     within the bracket plus L times the fast sums' rounding allowance); full mass on every
-    rung, every rung whose bracket is not 0 (T = 1's always is), exactly."""
+    rung, every rung whose bracket is not 0 (T = 1's always is), exactly. T = 1 is 0 exactly
+    and never computed."""
     rng = np.random.default_rng(0)
     lam = rng.gamma(1.0, 1.0, (3, 12)) + 0.1
     lengths = np.array([5, 40, 200, 0])
     mc = lda_svi.Multicanonical.paper(6)
     norm = lda_svi._Normaliser(mc, 0.3, lengths)
     first = norm.table(lam)
-    assert norm.rungs == 6
+    assert norm.rungs == 5
     np.testing.assert_allclose(first, lp.conditional_log_partition(
         lam, mc.temperatures, 0.3, lengths, topics="mean"), atol=1e-10)
     moved = lam * rng.uniform(0.9, 1.1, lam.shape)
     none = np.full((lda_svi.LENGTH_BINS, 6), -np.inf)
     stale = norm.table(moved, none)
-    assert norm.rungs == 6  # nothing recomputed ...
+    assert norm.rungs == 5  # nothing recomputed ...
     exact = lp.conditional_log_partition(moved, mc.temperatures, 0.3, lengths, topics="mean")
     log_b = lp.topic_log_sums(moved / moved.sum(1, keepdims=True), mc.temperatures,
                               expected=False)
@@ -270,8 +271,35 @@ def test_refresh_recomputes_only_the_rungs_that_can_matter():
     assert np.all(np.abs(stale - exact) <= bound[lengths] + lengths[:, None] * allowance + 1e-9)
     assert np.max(bound[lengths]) > 1e-3
     fresh = norm.table(moved, np.zeros((lda_svi.LENGTH_BINS, 6)), 1.0)  # log 1 of 1 word
-    assert norm.rungs == 6 + 5
+    assert norm.rungs == 5 + 5
     np.testing.assert_allclose(fresh, exact, atol=1e-10)
+
+
+def test_coarse_first_table_brackets_the_rungs_between_and_refines_where_asked():
+    """The first table of a fit computes every COARSE_STRIDE-th rung and brackets the others
+    by convexity: every entry within its bound of the exact table. Asked again with the
+    words of a first minibatch all on one bracketed rung, it computes that rung (and no
+    rung whose bracket moves less than the tolerance), which is then exact."""
+    rng = np.random.default_rng(1)
+    lam = rng.gamma(0.5, 1.0, (4, 30)) + 0.05
+    lengths = np.array([3, 60, 250, 0])
+    mc = lda_svi.Multicanonical.paper(20)
+    norm = lda_svi._Normaliser(mc, 0.25, lengths)
+    coarse = norm.table(lam, coarse=True)
+    grid = norm.grid[mc.temperatures[norm.grid] != 1.0]
+    assert norm.rungs == grid.size == 5
+    exact = lp.conditional_log_partition(lam, mc.temperatures, 0.25, lengths, topics="mean")
+    log_b = lp.topic_log_sums(lam / lam.sum(1, keepdims=True), mc.temperatures, expected=False)
+    _, bound = lp.stale_table(norm.exact, log_b)
+    allowance = lengths[:, None] * lp.fast_topic_log_sums(lam, mc.temperatures)[1].max(axis=1)
+    assert np.all(np.abs(coarse - exact) <= bound[lengths] + allowance + 1e-9)
+    np.testing.assert_allclose(coarse[:, grid], exact[:, grid], atol=1e-5)
+    assert np.max(bound[250, 13:]) < 1.0 < np.max(bound[250, :4])  # narrow where hot
+    words = np.full((lda_svi.LENGTH_BINS, 20), -np.inf)
+    words[lda_svi._length_bin(250), 9] = 0.0  # every word on rung 9 (between the grid's 8, 12)
+    refined = norm.table(lam, words, 250.0)
+    assert norm.rungs == 6
+    np.testing.assert_allclose(refined[:, 9], exact[:, 9], atol=1e-5)
 
 
 def test_refresh_rule_in_log_space_keeps_a_rung_below_the_float_range_stale():
@@ -305,3 +333,42 @@ def test_lazy_refresh_follows_the_full_refresh():
     np.testing.assert_allclose(topics[1], topics[0], atol=2e-3)
     cold_only = runs[1].sweeps < 0.7 * runs[0].sweeps  # the T = 1 anchor alone
     assert not cold_only[0] and np.sum(cold_only) >= 2  # the first update is a probe
+
+
+@pytest.mark.parametrize("topics", ["mean", "expected"])
+def test_table_ends_are_the_slopes_of_the_exact_table(topics):
+    """f_L(h) = log C_L(T = 1/h): f(1) = 0 with slope L * slope1, and f(h) -> L log(KV) with
+    slope L * slope0 as h -> 0, against central finite differences of the exact table."""
+    rng = np.random.default_rng(3)
+    lam = rng.gamma(0.7, 1.0, (3, 7)) + 0.05
+    alpha, length, eps = np.array([0.2, 0.5, 1.3]), 25, 1e-6
+    ends = lp.table_ends(lam, alpha, topics)
+
+    def f(h):
+        t = np.array([1.0 / h])
+        return lp.length_log_partition(lp.fitted_topic_log_sums(lam, t, topics), t, alpha,
+                                       length)[length, 0]
+
+    assert abs(f(1.0)) < 1e-9
+    assert abs((f(1.0) - f(1.0 - eps)) / eps - length * ends.slope1) < 1e-3 * length
+    assert abs((f(eps) - length * ends.value0) / eps - length * ends.slope0) < 1e-3 * length
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.floats(0.02, 2.0), st.sampled_from(["mean", "expected"]),
+       st.lists(st.floats(1.01, 12.0), min_size=3, max_size=7, unique=True))
+def test_convex_bracket_contains_the_exact_table(seed, alpha, topics, temps):
+    """log C_L is convex in h = 1/T, so chords bound it above and the extended secants and
+    the closed-form tangents at h = 0 and 1 below: every rung left out is within its
+    bracket, at every length (both routes of the exact table: up to 300 words)."""
+    rng = np.random.default_rng(seed)
+    lam = rng.gamma(rng.uniform(0.05, 3.0), 1.0, (4, 9)) + 1e-3
+    temps = np.sort(np.array(temps))
+    log_b = lp.fitted_topic_log_sums(lam, temps, topics)
+    table = lp.length_log_partition(log_b, temps, alpha, 300)
+    ends = lp.table_ends(lam, alpha, topics)
+    for m in range(temps.size):
+        others = np.delete(np.arange(temps.size), m)
+        mid, half = lp.convex_bracket(1 / temps[others], table[:, others], 1 / temps[m], ends)
+        excess = np.abs(mid - table[:, m]) - half
+        assert np.all(excess <= 0), (m, np.max(excess))

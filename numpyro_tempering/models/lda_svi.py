@@ -202,12 +202,17 @@ class Multicanonical(NamedTuple):
     conditional on the current topics, :math:`\log C_d(T_m\mid\beta)`
     (:func:`numpyro_tempering.models.lda_partition.conditional_log_partition`: the
     normaliser that makes a model with a temperature per document proper), recomputed from
-    :math:`\lambda` before the first update and then whenever the step sizes summed since
+    :math:`\lambda` before the first update (exact on every
+    :data:`COARSE_STRIDE`-th rung, the others bracketed by convexity and refined as the
+    first minibatch needs, below) and then whenever the step sizes summed since
     the last computation reach ``refresh`` (:math:`\lambda` has moved by about that
     fraction; 0 recomputes before every update); its cost is reported apart as
     ``FitResult.log_c_seconds``. At a refresh only the rungs where it matters are
     recomputed (``tolerance``, below); the others keep their exact table, shifted by the
-    midpoint of an exact bracket (:func:`~numpyro_tempering.models.lda_partition.stale_table`:
+    midpoint of an exact bracket (the narrower of a convexity bracket between the rungs
+    computed at the current topics,
+    :func:`~numpyro_tempering.models.lda_partition.convex_bracket`, and
+    :func:`~numpyro_tempering.models.lda_partition.stale_table`:
     moving the topics' :math:`\log b_k(T_m)` by :math:`\delta_k` moves :math:`\log C_L`
     by between :math:`L\min_k\delta_k` and :math:`L\max_k\delta_k`), whose half-width
     :math:`e_m(L)` bounds its error for a document of L words. A callable
@@ -1108,8 +1113,11 @@ def fit(
                          f"{temperature.tolerance!r}.")
     normaliser = _Normaliser(temperature, cfg.alpha, lengths) if follow_topics else None
     first_table = time.perf_counter()  # the first log C table counts as the fit's time
+    # with a tolerance, the first table is exact on the grid and bracketed between, and is
+    # refined below with the first minibatch's own q(y_d)
+    lazy = follow_topics and temperature.tolerance > 0
     if schedule is None:
-        all_log_c = jnp.asarray(normaliser.table(state.lam) if follow_topics else
+        all_log_c = jnp.asarray(normaliser.table(state.lam, coarse=lazy) if follow_topics else
                                 temperature.log_c_per_length(lengths), dtype)
         first_table = time.perf_counter() - first_table if follow_topics else 0.0
         ladder = (jnp.asarray(1.0 / np.asarray(temperature.temperatures, np.float64), dtype),
@@ -1177,6 +1185,16 @@ def fit(
         compile_seconds += seconds
         hot_share, since_probe = math.inf, 0
 
+    gamma0 = first_gamma(doc_shards[0])
+    if lazy:  # a dry run of the first update (its result dropped): which rungs it uses
+        tick = time.perf_counter()
+        dry = put(jax.tree.map(jnp.array, state), False)
+        _, info, _ = compiled(dry, all_ids, all_counts, all_log_c,
+                              *padded(batches[0], doc_shards[0], rows[0]), gamma0, temps_in[0])
+        all_log_c = put(jnp.asarray(normaliser.table(
+            state.lam, np.asarray(info.log_rung_words, np.float64),
+            float(lengths[batches[0]].sum())), dtype), False)
+        first_table += time.perf_counter() - tick
     bar = progress(num_steps, progress_bar)
     infos = []
     log_c_seconds = first_table
@@ -1204,7 +1222,8 @@ def fit(
             probe = hot_share >= temperature.tolerance or since_probe + 1 >= PROBE_EVERY
             step, temp = (compiled, temp) if probe else (cold_step, cold_only)
         state, info, gamma = step(state, all_ids, all_counts, all_log_c,
-                                  *padded(docs, sh, doc_rows), first_gamma(sh), temp)
+                                  *padded(docs, sh, doc_rows),
+                                  gamma0 if i == 0 else first_gamma(sh), temp)
         if skip_hot:
             hot_share, since_probe = ((float(info.hot_share), 0) if probe
                                       else (hot_share, since_probe + 1))
@@ -1264,22 +1283,37 @@ def _rungs_to_refresh(log_moves: np.ndarray, bound: np.ndarray, max_length: int,
     return np.sort(order[~stale])
 
 
+#: the first table (before any minibatch has said which rungs matter) is computed exactly at
+#: every COARSE_STRIDE-th rung; the rungs between are bracketed by convexity
+#: (:func:`~numpyro_tempering.models.lda_partition.convex_bracket`) until the refresh rule
+#: asks for them, as is every refresh's: its risky rungs on that grid first, then those
+#: still at risk
+COARSE_STRIDE = 4
+
+
 class _Normaliser:
     """log C_d(T_m | current topics) for a fit's documents (:class:`Multicanonical`): the
     exact table of every rung, recomputed unless its exact error bound can only move a
-    small share of the topic statistics (``mc.tolerance``)."""
+    small share of the topic statistics (``mc.tolerance``). A rung's bound is the smaller
+    of its stale bracket (its exact table at older topics,
+    :func:`~numpyro_tempering.models.lda_partition.stale_table`) and its convexity bracket
+    between the rungs computed at the current topics
+    (:func:`~numpyro_tempering.models.lda_partition.convex_bracket`); T = 1 is exactly 0."""
 
     def __init__(self, mc: Multicanonical, alpha: float, lengths: np.ndarray):
         self.mc, self.alpha, self.lengths = mc, alpha, lengths
         self.max_length = int(lengths.max()) if lengths.size else 0
         self.exact: lda_partition.ExactTable | None = None
         self.rungs = 0  # rung tables computed
+        temps = np.asarray(mc.temperatures, np.float64)
+        self.grid = np.unique(np.append(np.arange(0, temps.size, COARSE_STRIDE), temps.size - 1))
 
-    def table(self, lam, log_moves: np.ndarray | None = None, words: float = 0.0
-              ) -> np.ndarray:
+    def table(self, lam, log_moves: np.ndarray | None = None, words: float = 0.0, *,
+              coarse: bool = False) -> np.ndarray:
         """(D + 1, M) at the topics ``lam``; ``log_moves`` (LENGTH_BINS, M): a minibatch's
         :attr:`StepInfo.log_rung_words`, and ``words`` its words, lately (``None``:
-        recompute every rung). The brackets of the stale rungs come from the fast
+        recompute every rung, or with ``coarse`` the rungs of the grid, bracketing the
+        others). The brackets of the stale rungs come from the fast
         :math:`\\log b_k` (:func:`~numpyro_tempering.models.lda_partition.fast_topic_log_sums`,
         its rounding allowance times L added to them); the rungs recomputed use the float64
         ones."""
@@ -1289,22 +1323,58 @@ class _Normaliser:
                                      "Dirichlet parameters are not finite and > 0.")
         temps = np.asarray(self.mc.temperatures, np.float64)
         log_b, allowance = lda_partition.fast_topic_log_sums(lam, temps, self.mc.topics)
-        rungs = np.arange(log_b.shape[0])
-        if self.exact is not None and log_moves is not None:
-            _, bound = lda_partition.stale_table(self.exact, log_b)
-            bound = bound + np.arange(bound.shape[0])[:, None] * allowance.max(axis=1)
-            rungs = _rungs_to_refresh(np.asarray(log_moves, np.float64), bound,
-                                      self.max_length, self.mc.tolerance, words)
-        if rungs.size:
-            log_b[rungs] = lda_partition.fitted_topic_log_sums(lam, temps[rungs],
-                                                               self.mc.topics)
-        self.exact = lda_partition.exact_table(log_b, temps, self.alpha, self.max_length,
-                                               previous=self.exact, rungs=rungs)
-        self.rungs += int(rungs.size)
+        slack = np.arange(self.max_length + 1.0)[:, None] * allowance.max(axis=1)
+        if self.exact is None:
+            self.exact = lda_partition.ExactTable(
+                np.zeros((self.max_length + 1, temps.size)), log_b.copy(),
+                np.where(temps == 1.0, 0.0, np.inf)[None, :].repeat(self.max_length + 1, 0))
+        fresh = temps == 1.0  # T = 1: log C = 0 exactly (b_k(1) = 1), never computed
+        self.exact.table[:, fresh], self.exact.log_b[fresh] = 0.0, log_b[fresh]
+        self.exact.error[:, fresh] = 0.0
+        ends = lda_partition.table_ends(lam, self.alpha, self.mc.topics)
+        if log_moves is None:
+            pending = self.grid if coarse else np.arange(temps.size)
+        else:
+            pending = self._at_risk(log_b, slack, log_moves, words)
+            on_grid = np.intersect1d(pending, self.grid)
+            pending = on_grid if on_grid.size else pending
+        while True:
+            pending = pending[~fresh[pending]]
+            if pending.size == 0:
+                break
+            exact_b = self.exact.log_b.copy()
+            exact_b[pending] = lda_partition.fitted_topic_log_sums(lam, temps[pending],
+                                                                   self.mc.topics)
+            self.exact = lda_partition.exact_table(exact_b, temps, self.alpha, self.max_length,
+                                                   previous=self.exact, rungs=pending)
+            self.rungs += int(pending.size)
+            fresh[pending] = True
+            self._bracket(log_b, slack, temps, fresh, ends)
+            if log_moves is None:
+                break
+            pending = self._at_risk(log_b, slack, log_moves, words)
         table, _ = lda_partition.stale_table(self.exact, log_b)
         if not np.all(np.isfinite(table)):
             raise FloatingPointError("log C_d(T | topics) is not finite.")
         return table[self.lengths.astype(np.int64)]
+
+    def _at_risk(self, log_b, slack, log_moves, words) -> np.ndarray:
+        _, bound = lda_partition.stale_table(self.exact, log_b)
+        return _rungs_to_refresh(np.asarray(log_moves, np.float64), bound + slack,
+                                 self.max_length, self.mc.tolerance, words)
+
+    def _bracket(self, log_b, slack, temps, fresh, ends) -> None:
+        """Give every rung not computed at these topics its convexity bracket between those
+        that were, where that is narrower (at the longest document) than its stale one."""
+        _, bound = lda_partition.stale_table(self.exact, log_b)
+        known = np.flatnonzero(fresh & (temps != 1.0))
+        for m in np.flatnonzero(~fresh):
+            mid, half = lda_partition.convex_bracket(
+                1.0 / temps[known], self.exact.table[:, known], 1.0 / temps[m], ends)
+            half = half + 2 * slack[:, m]  # the fast sums, here and at the next refresh
+            if half[-1] < bound[-1, m] + slack[-1, m]:
+                self.exact.table[:, m], self.exact.log_b[m] = mid, log_b[m]
+                self.exact.error[:, m] = half
 
 
 # -- evaluation --------------------------------------------------------------------------------
