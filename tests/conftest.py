@@ -19,21 +19,37 @@ if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 #: the work units (files, or test classes: pytest-xdist's ``loadscope``) that take longest,
-#: longest first (measured with ``--durations``): handed out first (``--no-loadscope-reorder``
-#: in pyproject.toml keeps this order), so that no worker ends the run alone inside one of
-#: them while the other idles (longest processing time first)
+#: longest first (measured with a per-worker timeline of a whole run): handed out first
+#: (``--no-loadscope-reorder`` in pyproject.toml keeps this order), so that no worker ends
+#: the run alone inside one of them while the other idles (longest processing time first);
+#: the units left after these take under ~15 s each on a quiet machine
 SLOWEST_FIRST = (
     "test_log_partition_locals.py::TestPoissonFunnel",
     "test_log_partition_modes.py",
     "test_partition_smc.py",
     "test_log_partition_locals.py",
     "test_site_roles.py",
-    "test_partition.py",
-    "test_guides.py",
     "test_entry_points.py",
-    "test_cubo_klpq.py",
-    "test_tempered_elbo.py",
+    "test_partition.py",
     "test_latent_features.py",
+    "test_guides.py",
+    "test_lda_blackbox.py",
+    "test_tempered_elbo.py",
+    "test_cubo_klpq.py",
+    "test_diagnostics.py",
+    "test_lda_svi.py",
+    "test_log_partition.py",
+    "test_lda_partition.py",
+    "test_engine.py",
+    "test_bounds.py",
+    "test_upper_bounds_composition.py",
+    "test_lda_mesh.py",
+    "test_docstrings.py::Test_partition_function",
+    "test_models_fmm.py",
+    "test_log_partition_ladder.py",
+    "test_tempered_families.py",
+    "test_multicanonical.py",
+    "test_docs.py::Test_partition",
 )
 
 

@@ -23,7 +23,9 @@ from numpyro_tempering.models import lda_svi
 SCRIPT = textwrap.dedent(
     """
     import json, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    flags = os.environ.get("XLA_FLAGS", "")  # the fixture's: the session's, and 8 devices
+    if "--xla_force_host_platform_device_count=8" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8"
     import jax
     jax.config.update("jax_enable_x64", True)
     import numpy as np
@@ -61,8 +63,11 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def mesh_run():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+    # the test session's XLA flags (conftest.py: optimisation level 0, a faster compile)
+    # plus the device count: both fits of a pair are compiled alike, so the comparison
+    # means the same
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
