@@ -600,19 +600,21 @@ def table_ends(lam: np.typing.ArrayLike, alpha: np.typing.ArrayLike,
 
 
 def convex_bracket(inv_t_known: np.typing.ArrayLike, known: np.typing.ArrayLike,
-                   inv_t: float, ends: TableEnds) -> tuple[np.ndarray, np.ndarray]:
-    r"""Bracket :math:`f_L(h) = \log C_L(T = 1/h)` at ``inv_t`` for every length from
-    exact tables ``known`` (L + 1, n) at ``inv_t_known`` (n,) of the same topics:
-    ``(midpoint, half_width)``, both (L + 1,).
+                   inv_t: np.typing.ArrayLike, ends: TableEnds) -> tuple[np.ndarray, np.ndarray]:
+    r"""Bracket :math:`f_L(h) = \log C_L(T = 1/h)` at ``inv_t`` (a number, or (q,)) for
+    every length from exact tables ``known`` (L + 1, n) at ``inv_t_known`` (n,) of the same
+    topics: ``(midpoint, half_width)``, each (L + 1,) (or (L + 1, q)).
 
     :math:`C_L(h)` is a sum over words and topics of integrals of
     :math:`e^{h\log p(w, z\mid\theta,\beta)}` (:func:`table_ends`), so :math:`f_L` is
     convex in h (Hoelder). Between neighbouring knots (the tables, and h = 0 and 1 from
     :func:`table_ends`) the chord is above :math:`f_L`; the secants of the neighbouring
     intervals, extended, and the tangents at h = 0 and 1 are below it. The half-width
-    includes a float64 rounding allowance. Exact knots narrow it quadratically: near
-    T = 1 :math:`f_L'' = \mathrm{Var}[\log p]` is of order L per word at
-    :math:`\alpha = 1/K` and the bracket is wide; between hot rungs it is narrow.
+    includes the knots' float64 rounding (1e-9 relative), as each line amplifies it (a
+    secant through two close knots, extended, amplifies it so much that it bounds nothing).
+    Exact knots narrow it quadratically: near T = 1 :math:`f_L'' = \mathrm{Var}[\log p]`
+    is of order L per word at :math:`\alpha = 1/K` and the bracket is wide; between hot
+    rungs it is narrow.
 
     Example:
         >>> lam = np.array([[2.0, 1.0, 1.0], [1.0, 1.0, 3.0]])
@@ -627,28 +629,32 @@ def convex_bracket(inv_t_known: np.typing.ArrayLike, known: np.typing.ArrayLike,
     h_known = np.asarray(inv_t_known, np.float64).reshape(-1)
     if known.ndim != 2 or known.shape[1] != h_known.size:
         raise ValueError(f"`known` must be (L + 1, {h_known.size}), got {known.shape}.")
-    ell = np.arange(known.shape[0], dtype=np.float64)
+    ell = np.arange(known.shape[0], dtype=np.float64)[:, None]
     keep = (h_known > 0) & (h_known < 1)
-    hs = np.concatenate([[0.0], h_known[keep], [1.0]])
-    fs = np.concatenate([ell[:, None] * ends.value0, known[:, keep], np.zeros((ell.size, 1))],
-                        axis=1)
-    order = np.argsort(hs, kind="stable")
-    hs, fs = hs[order], fs[:, order]
-    hs, first = np.unique(hs, return_index=True)
+    hs, first = np.unique(np.concatenate([[0.0], h_known[keep], [1.0]]), return_index=True)
+    fs = np.concatenate([ell * ends.value0, known[:, keep], np.zeros_like(ell)], axis=1)
     fs = fs[:, first]
-    h = float(inv_t)
-    i = int(np.clip(np.searchsorted(hs, h, side="right") - 1, 0, hs.size - 2))
+    # each knot's rounding error; a line through two knots, evaluated at q, carries it
+    # times (|q - h_j| + |q - h_j+1|) / (h_j+1 - h_j): 1 on the chord, large when a secant
+    # through close knots is extended (then that lower bound is dropped, not trusted)
+    err = 1e-9 * (1.0 + np.max(np.abs(fs), axis=1, keepdims=True))
+    h = np.asarray(inv_t, np.float64)
+    q = h.reshape(-1)
+    i = np.clip(np.searchsorted(hs, q, side="right") - 1, 0, hs.size - 2)
 
-    def line(j: int, at: float) -> np.ndarray:  # through knots j, j + 1, evaluated at `at`
-        return fs[:, j] + (fs[:, j + 1] - fs[:, j]) * (at - hs[j]) / (hs[j + 1] - hs[j])
+    def line(j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:  # knots j, j + 1, at q
+        j = np.clip(j, 0, hs.size - 2)
+        width = hs[j + 1] - hs[j]
+        value = fs[:, j] + (fs[:, j + 1] - fs[:, j]) * (q - hs[j]) / width
+        return value, err * (np.abs(q - hs[j]) + np.abs(q - hs[j + 1])) / width
 
-    upper = line(i, h)
-    lower = [ell * ends.slope1 * (h - 1.0), ell * (ends.value0 + ends.slope0 * h)]
-    if i >= 1:
-        lower.append(line(i - 1, h))
-    if i + 2 < hs.size:
-        lower.append(line(i + 1, h))
-    lower = np.max(lower, axis=0)
-    slack = 1e-9 * (1.0 + np.max(np.abs(fs), axis=1))
-    mid = (upper + lower) / 2
-    return mid, np.maximum((upper - lower) / 2, 0.0) + slack
+    value, rounding = line(i)
+    upper = value + rounding
+    lower = np.maximum(ell * ends.slope1 * (q - 1.0), ell * (ends.value0 + ends.slope0 * q))
+    lower = lower - err
+    for j, valid in ((i - 1, i >= 1), (i + 1, i + 2 < hs.size)):
+        value, rounding = line(j)
+        lower = np.maximum(lower, np.where(valid, value - rounding, -np.inf))
+    mid, half = (upper + lower) / 2, np.maximum((upper - lower) / 2, 0.0)
+    shape = (known.shape[0],) + h.shape
+    return mid.reshape(shape), half.reshape(shape)
