@@ -1324,14 +1324,12 @@ class _Normaliser:
         temps = np.asarray(self.mc.temperatures, np.float64)
         log_b, allowance = lda_partition.fast_topic_log_sums(lam, temps, self.mc.topics)
         slack = np.arange(self.max_length + 1.0)[:, None] * allowance.max(axis=1)
-        if self.exact is None:
-            self.exact = lda_partition.ExactTable(
-                np.zeros((self.max_length + 1, temps.size)), log_b.copy(),
-                np.where(temps == 1.0, 0.0, np.inf)[None, :].repeat(self.max_length + 1, 0))
         fresh = temps == 1.0  # T = 1: log C = 0 exactly (b_k(1) = 1), never computed
-        self.exact.table[:, fresh], self.exact.log_b[fresh] = 0.0, log_b[fresh]
-        self.exact.error[:, fresh] = 0.0
-        ends = lda_partition.table_ends(lam, self.alpha, self.mc.topics)
+        if self.exact is None:  # nothing known yet: infinitely wide brackets but at T = 1
+            error = np.where(fresh, 0.0, np.inf)[None, :].repeat(self.max_length + 1, 0)
+            self.exact = lda_partition.ExactTable(
+                np.zeros((self.max_length + 1, temps.size)), log_b.copy(), error)
+        ends = None  # the closed-form ends of log C in 1/T, once something is bracketed
         if log_moves is None:
             pending = self.grid if coarse else np.arange(temps.size)
         else:
@@ -1349,6 +1347,7 @@ class _Normaliser:
                                                    previous=self.exact, rungs=pending)
             self.rungs += int(pending.size)
             fresh[pending] = True
+            ends = ends or lda_partition.table_ends(lam, self.alpha, self.mc.topics)
             self._bracket(log_b, slack, temps, fresh, ends)
             if log_moves is None:
                 break
@@ -1367,14 +1366,14 @@ class _Normaliser:
         """Give every rung not computed at these topics its convexity bracket between those
         that were, where that is narrower (at the longest document) than its stale one."""
         _, bound = lda_partition.stale_table(self.exact, log_b)
-        known = np.flatnonzero(fresh & (temps != 1.0))
-        for m in np.flatnonzero(~fresh):
-            mid, half = lda_partition.convex_bracket(
-                1.0 / temps[known], self.exact.table[:, known], 1.0 / temps[m], ends)
-            half = half + 2 * slack[:, m]  # the fast sums, here and at the next refresh
-            if half[-1] < bound[-1, m] + slack[-1, m]:
-                self.exact.table[:, m], self.exact.log_b[m] = mid, log_b[m]
-                self.exact.error[:, m] = half
+        known, other = np.flatnonzero(fresh & (temps != 1.0)), np.flatnonzero(~fresh)
+        mid, half = lda_partition.convex_bracket(
+            1.0 / temps[known], self.exact.table[:, known], 1.0 / temps[other], ends)
+        half = half + 2 * slack[:, other]  # the fast sums, here and at the next refresh
+        better = half[-1] < bound[-1, other] + slack[-1, other]
+        rungs = other[better]
+        self.exact.table[:, rungs], self.exact.log_b[rungs] = mid[:, better], log_b[rungs]
+        self.exact.error[:, rungs] = half[:, better]
 
 
 # -- evaluation --------------------------------------------------------------------------------
