@@ -73,13 +73,20 @@ _LOG_PI = math.log(math.pi)
 # compilation per shape and dtype instead of one dispatch per primitive in eager mode.
 
 
+def _tempered_shape(shape: Array, t: Array) -> tuple[Array, Array, Array]:
+    """``(a, ok, safe)``: a = 1/T and the tempered shape a (shape + 1) - 1 (Student-t's
+    degrees of freedom, the inverse gamma's shape), where it is > 0 (``ok``: the
+    integral converges), else 1 (a stand-in that keeps the arithmetic finite)."""
+    a = 1.0 / t
+    shape_t = a * (shape + 1.0) - 1.0
+    ok = shape_t > 0
+    return a, ok, jnp.where(ok, shape_t, 1.0)
+
+
 @jax.jit
 def _student_core(df: Array, scale: Array, t: Array) -> tuple[Array, ...]:
     """log Z, nu', the tempered law's scale, and whether log Z is finite."""
-    a = 1.0 / t
-    df_t = a * (df + 1.0) - 1.0
-    ok = df_t > 0
-    safe = jnp.where(ok, df_t, 1.0)
+    a, ok, safe = _tempered_shape(df, t)
     m = 0.5 * (safe + 1.0)
     log_c = gammaln(0.5 * (df + 1.0)) - gammaln(0.5 * df) - 0.5 * (jnp.log(df) + _LOG_PI)
     log_z = (a * log_c + _one_minus_inv(t) * jnp.log(scale) + 0.5 * (jnp.log(df) + _LOG_PI)
@@ -187,10 +194,7 @@ def _log_normal(d: npd.LogNormal, t: Array) -> TemperedResult:
 
 @jax.jit
 def _inverse_gamma_core(alpha: Array, beta: Array, t: Array) -> tuple[Array, ...]:
-    a = 1.0 / t
-    alpha_t = a * (alpha + 1.0) - 1.0
-    ok = alpha_t > 0
-    safe = jnp.where(ok, alpha_t, 1.0)
+    a, ok, safe = _tempered_shape(alpha, t)
     log_z = (a * (alpha * jnp.log(beta) - gammaln(alpha)) + gammaln(safe)
              - safe * jnp.log(a * beta))
     return jnp.where(ok, log_z, jnp.inf), safe, a * beta, ok
