@@ -347,7 +347,7 @@ class StepInfo(NamedTuple):
 
 class LocalResult(NamedTuple):
     gamma: jax.Array  # (B, K)
-    sstats: jax.Array  # (B, L, K): n_dv phi_dvk E[1/T_d]
+    sstats: jax.Array  # (R, K, W): n_dv phi_dvk E[1/T_d] per row of words
     inv_temperature: jax.Array  # (B,)
     iterations: jax.Array  # (B,)
     q_y: jax.Array | None  # (B, M) for MVI
@@ -434,8 +434,10 @@ def initial_gamma(
 
 
 def _gather(elog_beta: jax.Array, ids: jax.Array) -> jax.Array:
-    """``E[log beta]`` (K, V) at the documents' word ids (B, L) -> (B, L, K)."""
-    return jnp.take(elog_beta.T, ids, axis=0)
+    """``E[log beta]`` (K, V) at the rows' word ids (R, W) -> (R, K, W), topics before words:
+    in this layout XLA's CPU code for the local step's contractions over K is several times
+    faster at small K than in (R, W, K) (docs/reproductions.md, issue 22, item 3)."""
+    return jnp.moveaxis(jnp.take(elog_beta, ids, axis=1), 0, 1)
 
 
 def _stage_sizes(batch: int, rows: int, min_size: int = 8,
@@ -536,10 +538,10 @@ def _fixed_sweep(alpha, eps):
     arithmetic: ``phi`` is never formed, only its normaliser."""
 
     def sweep(gamma, inv_t, rows, row_doc):
-        ew, cnt = rows  # (R, W, K) exp(E[log beta] / T_d), (R, W)
+        ew, cnt = rows  # (R, K, W) exp(E[log beta] / T_d) (:func:`_gather`), (R, W)
         et = jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma))  # (B, K)
-        norm = jnp.einsum("rwk,rk->rw", ew, _per_row(et, row_doc)) + eps
-        per_row = jnp.einsum("rwk,rw->rk", ew, cnt / norm)
+        norm = jnp.einsum("rkw,rk->rw", ew, _per_row(et, row_doc)) + eps
+        per_row = jnp.einsum("rkw,rw->rk", ew, cnt / norm)
         new = alpha + inv_t[:, None] * et * jax.ops.segment_sum(per_row, row_doc, et.shape[0])
         return new, jnp.mean(jnp.abs(new - gamma), axis=-1)
 
@@ -551,14 +553,14 @@ def _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc):
     arithmetic. Returns gamma, the rows' n phi / T statistics and the sweeps."""
     dtype = elog_w.dtype
     inv_t_rows = _per_row(inv_t, row_doc)
-    ew = jnp.exp(inv_t_rows[:, None, None] * elog_w)  # exp(E[log beta] / T_d): (R, W, K)
+    ew = jnp.exp(inv_t_rows[:, None, None] * elog_w)  # exp(E[log beta] / T_d): (R, K, W)
     eps = jnp.finfo(dtype).eps
     alpha = jnp.asarray(cfg.alpha, dtype)
     gamma, iters = _fixed_point(_fixed_sweep(alpha, eps), gamma0, inv_t, (ew, counts),
                                 row_doc, cfg.max_doc_iter, cfg.tol, cfg.stage_shrink)
     et = _per_row(jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma)), row_doc)
-    norm = jnp.einsum("rwk,rk->rw", ew, et) + eps
-    sstats = inv_t_rows[:, None, None] * (counts / norm)[..., None] * ew * et[:, None, :]
+    norm = jnp.einsum("rkw,rk->rw", ew, et) + eps
+    sstats = inv_t_rows[:, None, None] * (counts / norm)[:, None, :] * ew * et[:, :, None]
     return gamma, sstats, iters
 
 
@@ -571,12 +573,12 @@ def _local_bound(cfg, elog_w, counts, gamma, inv_t, row_doc):
     num = gamma.shape[0]
     k = gamma.shape[1]
     elog_theta = expected_log_dirichlet(gamma)
-    logits = elog_w + _per_row(elog_theta, row_doc)[:, None, :]  # (R, W, K)
+    logits = elog_w + _per_row(elog_theta, row_doc)[:, :, None]  # (R, K, W)
     scaled = _per_row(inv_t, row_doc)[:, None, None] * logits
-    phi = jax.nn.softmax(scaled, axis=-1)
-    free = jax.ops.segment_sum(jnp.sum(counts * jax.nn.logsumexp(scaled, axis=-1), axis=1),
+    phi = jax.nn.softmax(scaled, axis=1)
+    free = jax.ops.segment_sum(jnp.sum(counts * jax.nn.logsumexp(scaled, axis=1), axis=1),
                                row_doc, num)
-    ell = jax.ops.segment_sum(jnp.einsum("rw,rwk->r", counts, phi * logits), row_doc, num)
+    ell = jax.ops.segment_sum(jnp.einsum("rw,rkw->r", counts, phi * logits), row_doc, num)
     alpha = jnp.asarray(cfg.alpha, gamma.dtype)
     log_p = (jax.scipy.special.gammaln(k * alpha) - k * jax.scipy.special.gammaln(alpha)
              + (alpha - 1) * jnp.sum(elog_theta, axis=1))
@@ -615,7 +617,7 @@ def _anchored_local(cfg, elog_w, counts, gamma0, ladder, row_doc, score_w=None):
     weight = jnp.sum(jnp.where(served, r * inv_temps, 0.0), axis=-1)  # (J, B)
     row_weight = jnp.take(weight / anchors[:, None], jnp.minimum(row_doc, batch - 1), axis=1)
     row_weight = jnp.where(row_doc[None, :] < batch, row_weight, 0.0)  # (J, R)
-    stats = jnp.einsum("jr,jrwk->rwk", row_weight, sstats)
+    stats = jnp.einsum("jr,jrkw->rkw", row_weight, sstats)
     mass = jnp.sum(jnp.where(served, r, 0.0), axis=-1)  # (J, B)
     gamma = gamma[jnp.argmax(mass, axis=0), jnp.arange(batch)]
     # w_dm: how far rung m's statistics per word are from the document's (refresh rule)
@@ -633,6 +635,7 @@ def local_step(
     gamma0: jax.Array,
     inv_temperature: jax.typing.ArrayLike | tuple = 1.0,
     row_doc: jax.Array | None = None,
+    elog_beta: jax.Array | None = None,
 ) -> LocalResult:
     r"""The tempered local updates of a minibatch (supplement eq. 9), vectorised over documents.
 
@@ -641,9 +644,14 @@ def local_step(
     documents span several rows (default: row d is document d). ``gamma0``: (B, K) initial
     :math:`\gamma`; ``inv_temperature``: :math:`1/T` (scalar or (B,)). Each document
     iterates until the mean absolute change of its :math:`\gamma_d` is below ``cfg.tol``, at
-    most ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient
-    statistics :math:`n_{dv}\phi_{dvk}/T_d` (R, W, K), the :math:`1/T_d` used, the sweeps
-    per document and (MVI) :math:`q(y_d)`.
+    most ``cfg.max_doc_iter`` sweeps. ``elog_beta``: :math:`\mathbb E_q[\log\beta]` (K, V)
+    if already computed (:func:`expected_log_dirichlet` of ``lam``; :func:`fit` passes the
+    one its previous step computed: computed here under the same ``jit`` as the gather of
+    the rows, XLA fuses the digammas into the gather and evaluates them once per row entry
+    instead of once per topic and word; docs/reproductions.md, issue 22, item 3).
+    Returns :math:`\gamma`, the rows' scaled sufficient statistics
+    :math:`n_{dv}\phi_{dvk}/T_d` (R, K, W), the :math:`1/T_d` used, the sweeps per document
+    and (MVI) :math:`q(y_d)`.
 
     **Multicanonical** (``inv_temperature`` a tuple ``(1/T_m (M,), log pi (M,), anchors (J,),
     log C_d(T_m) (B, M))``, ``anchors`` the inverse temperatures of J rungs, the first 1):
@@ -683,7 +691,9 @@ def local_step(
     gamma0 = jnp.asarray(gamma0, dtype)
     batch = gamma0.shape[0]
     row_doc = jnp.arange(counts.shape[0]) if row_doc is None else jnp.asarray(row_doc)
-    elog_w = _gather(expected_log_dirichlet(lam), jnp.asarray(ids))  # (R, W, K)
+    if elog_beta is None:
+        elog_beta = expected_log_dirichlet(lam)
+    elog_w = _gather(elog_beta, jnp.asarray(ids))  # (R, K, W)
     if isinstance(inv_temperature, tuple):
         ladder = tuple(jnp.asarray(x, dtype) for x in inv_temperature)
         score_w = None
@@ -732,7 +742,7 @@ def update(
 class _Stats(NamedTuple):
     """A minibatch's (or one device's share of it) contribution to the global step."""
 
-    sstats: jax.Array  # (V, K): sum_d n_dv phi_dvk / T_d
+    sstats: jax.Array  # (K, V): sum_d n_dv phi_dvk / T_d
     sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
@@ -740,14 +750,14 @@ class _Stats(NamedTuple):
     hot_mass: jax.Array  # sum over real documents of the q(y_d) mass the hot anchors serve
 
 
-def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
+def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc, elog_beta=None
                 ) -> tuple[_Stats, jax.Array]:
     """Local updates of the documents (``real``: not padding): their summed sufficient
     statistics (a sum over documents, so shards of a minibatch add up: ``psum``) and their
     fitted gamma."""
     dtype = lam.dtype
     if isinstance(temperature, tuple):
-        local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
+        local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc, elog_beta)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
@@ -757,13 +767,13 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
         hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
     else:
         t = jnp.asarray(temperature, dtype)
-        local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
+        local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc, elog_beta)
         sum_t = jnp.zeros((), dtype)
         log_rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
         hot_mass = jnp.zeros((), dtype)
     k = cfg.num_topics
-    sstats = jnp.zeros((cfg.vocab_size, k), dtype).at[jnp.ravel(ids)].add(
-        local.sstats.reshape(-1, k)
+    sstats = jnp.zeros((k, cfg.vocab_size), dtype).at[:, jnp.ravel(ids)].add(
+        jnp.moveaxis(local.sstats, 1, 0).reshape(k, -1)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
     return (_Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), log_rung_words,
@@ -781,7 +791,7 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     else:
         mean_t = jnp.asarray(temperature, dtype)
     scale = jnp.asarray(cfg.num_docs, dtype) / jnp.asarray(batch_docs, dtype)
-    lam_hat = cfg.eta + scale * stats.sstats.T
+    lam_hat = cfg.eta + scale * stats.sstats
     rho = learning_rate(state.step, cfg.tau, cfg.kappa).astype(dtype)
     new_lam = (1 - rho) * lam + rho * lam_hat
     iters = stats.sum_iters.astype(dtype) / num_real
@@ -840,19 +850,21 @@ def _segment_logsumexp(x: jax.Array, segment: jax.Array, num: int) -> jax.Array:
     return top + jnp.log(jax.ops.segment_sum(jnp.exp(x - top[segment]), segment, num))
 
 
-def _corpus_step(cfg, state, all_ids, all_counts, all_log_c, batch, rows, row_doc, batch_docs,
-                 gamma0, temperature):
+def _corpus_step(cfg, state, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc,
+                 batch_docs, gamma0, temperature):
     """One update on the minibatch ``batch`` (document indices) of the device-resident
     corpus, whose words are the rows ``rows`` (``row_doc``: position in the minibatch);
-    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI). Returns the
-    new state, the step's record and the minibatch's fitted gamma."""
+    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI); ``elog_beta``:
+    E[log beta] of ``state`` (see :func:`local_step`). Returns the new state, the step's
+    record, the minibatch's fitted gamma and the new state's E[log beta]."""
     ids, counts = all_ids[rows], all_counts[rows]
     if isinstance(temperature, tuple):
         temperature = (*temperature, all_log_c[batch])
     real = jnp.arange(gamma0.shape[0]) < batch_docs
     stats, gamma = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0,
-                               row_doc)
-    return (*_global_step(cfg, state, stats, batch_docs, temperature), gamma)
+                               row_doc, elog_beta)
+    state, info = _global_step(cfg, state, stats, batch_docs, temperature)
+    return state, info, gamma, expected_log_dirichlet(state.lam)
 
 
 def _split_rows(corpus: Corpus, width: int):
@@ -877,11 +889,11 @@ def _batch_rows(docs: np.ndarray, start: np.ndarray, per_doc: np.ndarray):
     return first + offset, np.repeat(np.arange(docs.size), n)
 
 
-_corpus_step_jit = jax.jit(_corpus_step, static_argnums=0, donate_argnums=1)
+_corpus_step_jit = jax.jit(_corpus_step, static_argnums=0, donate_argnums=(1, 2))
 
 
-def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows, row_doc,
-                  batch_docs, gamma0, temperature):
+def _sharded_step(cfg, mesh, state, elog_beta, all_ids, all_counts, all_log_c, batch, rows,
+                  row_doc, batch_docs, gamma0, temperature):
     """:func:`_corpus_step` data-parallel over the ``"data"`` axis of ``mesh``: each device
     runs the local updates of its share of the minibatch (``batch``, ``rows``, ``row_doc``,
     ``gamma0`` are split along their first axis; ``row_doc`` counts within the share), the
@@ -890,12 +902,13 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    def local(lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature):
+    def local(lam, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0,
+              temperature):
         ids, counts = all_ids[rows], all_counts[rows]
         if isinstance(temperature, tuple):
             temperature = (*temperature, all_log_c[batch])
         stats, gamma = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature,
-                                   gamma0, row_doc)
+                                   gamma0, row_doc, elog_beta)
         log_words = stats.log_rung_words  # a log of a sum: log-sum-exp over devices
         top = jax.lax.stop_gradient(jax.lax.pmax(log_words, _DATA_AXIS))
         top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -906,15 +919,18 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
 
     data, rep = P(_DATA_AXIS), P()
     stats, gamma = jax.shard_map(
-        local, mesh=mesh, in_specs=(rep, rep, rep, rep, data, data, data, data, rep),
+        local, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, data, data, data, data, rep),
         out_specs=(rep, data), check_vma=False,  # the per-document loops mix the two
-    )(state.lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature)
+    )(state.lam, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0,
+      temperature)
     new_state, info = _global_step(cfg, state, stats, batch_docs, temperature)
     replicated = NamedSharding(mesh, rep)
-    return (*jax.lax.with_sharding_constraint((new_state, info), replicated), gamma)
+    new_state, info, elog_beta = jax.lax.with_sharding_constraint(
+        (new_state, info, expected_log_dirichlet(new_state.lam)), replicated)
+    return new_state, info, gamma, elog_beta
 
 
-_sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=2)
+_sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=(2, 3))
 _DATA_AXIS = "data"
 _COMPILED: dict = {}
 
@@ -1171,9 +1187,10 @@ def fit(
                    .astype(dtype), True)
 
     state = put(jax.tree.map(jnp.array, state), False)  # donated: never the caller's arrays
+    elog_beta = put(_expected_log_topics(state.lam), False)  # then each step's own output
     all_ids, all_counts, all_log_c = put((all_ids, all_counts, all_log_c), False)
     temps_in = [put(t, False) for t in temps_in]
-    example = (state, all_ids, all_counts, all_log_c,
+    example = (state, elog_beta, all_ids, all_counts, all_log_c,
                *padded(batches[0], doc_shards[0], rows[0]),
                put(np.zeros((padded_size, num_topics), dtype), True), temps_in[0])
     compiled, compile_seconds = _compiled_step(cfg, example, mesh)
@@ -1188,8 +1205,8 @@ def fit(
     gamma0 = first_gamma(doc_shards[0])
     if lazy:  # a dry run of the first update (its result dropped): which rungs it uses
         tick = time.perf_counter()
-        dry = put(jax.tree.map(jnp.array, state), False)
-        _, info, _ = compiled(dry, all_ids, all_counts, all_log_c,
+        dry = put(jax.tree.map(jnp.array, (state, elog_beta)), False)
+        _, info, _, _ = compiled(*dry, all_ids, all_counts, all_log_c,
                               *padded(batches[0], doc_shards[0], rows[0]), gamma0, temps_in[0])
         all_log_c = put(jnp.asarray(normaliser.table(
             state.lam, np.asarray(info.log_rung_words, np.float64),
@@ -1221,7 +1238,7 @@ def fit(
         if skip_hot:
             probe = hot_share >= temperature.tolerance or since_probe + 1 >= PROBE_EVERY
             step, temp = (compiled, temp) if probe else (cold_step, cold_only)
-        state, info, gamma = step(state, all_ids, all_counts, all_log_c,
+        state, info, gamma, elog_beta = step(state, elog_beta, all_ids, all_counts, all_log_c,
                                   *padded(docs, sh, doc_rows),
                                   gamma0 if i == 0 else first_gamma(sh), temp)
         if skip_hot:
@@ -1247,6 +1264,9 @@ def fit(
                      total / seconds if seconds > 0 else float("inf"), log_c_seconds,
                      normaliser.rungs if normaliser is not None else 0,
                      np.asarray(jnp.stack([i.iterations for i in infos])))
+
+
+_expected_log_topics = jax.jit(expected_log_dirichlet)
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -1453,7 +1473,7 @@ def _heldout_batch(cfg, lam, beta_bar, o_ids, o_cnt, h_ids, h_cnt):
     gamma0 = jnp.ones((o_ids.shape[0], cfg.num_topics), lam.dtype)
     gamma = local_step(cfg, lam, o_ids, o_cnt, gamma0, 1.0).gamma
     theta_bar = gamma / jnp.sum(gamma, axis=1, keepdims=True)
-    probs = jnp.einsum("bk,blk->bl", theta_bar, jnp.take(beta_bar.T, h_ids, axis=0))
+    probs = jnp.einsum("bk,kbl->bl", theta_bar, jnp.take(beta_bar, h_ids, axis=1))
     h_cnt = jnp.asarray(h_cnt, lam.dtype)
     return jnp.sum(jnp.where(h_cnt > 0, h_cnt * jnp.log(probs), 0.0), axis=1)
 
