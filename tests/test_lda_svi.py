@@ -101,11 +101,6 @@ def test_update_matches_numpy_reference(tiny, temperature, row_width):
                             jnp.asarray(row_doc))
         local = _local(cfg, state.lam, *args, jnp.asarray(gamma0), 1.0 / temperature,
                        jnp.asarray(row_doc))
-        given = _local(cfg, state.lam, *args, jnp.asarray(gamma0), 1.0 / temperature,
-                       jnp.asarray(row_doc), lda_svi.expected_log_dirichlet(state.lam))
-    # E[log beta] passed in (as fit does, from the previous step) is the same computation
-    np.testing.assert_allclose(np.asarray(given.gamma), np.asarray(local.gamma), rtol=1e-12)
-    np.testing.assert_allclose(np.asarray(given.sstats), np.asarray(local.sstats), rtol=1e-12)
     ref_lam, ref_gamma, ref_sweeps = _ref_update(
         np.asarray(state.lam), _docs(corpus, rows), gamma0, temperature, 1000, 0.3, 0.2, 5.0,
         0.8, 3, 60, 1e-4)

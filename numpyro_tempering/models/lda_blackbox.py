@@ -343,7 +343,7 @@ def local_gamma(
     """
     lam = jax.lax.stop_gradient(jnp.asarray(lam))
     counts = jnp.asarray(counts, lam.dtype)
-    ew = jnp.exp(lda_svi._gather(lda_svi.expected_log_dirichlet(lam), jnp.asarray(ids)))
+    ew = jnp.exp(lda_svi._gather(lda_svi.expected_log_topics(lam), jnp.asarray(ids)))
     num_docs = counts.shape[0]
     sweep = lda_svi._fixed_sweep(jnp.asarray(alpha, lam.dtype), jnp.finfo(lam.dtype).eps)
     ones, docs = jnp.ones((num_docs,), lam.dtype), jnp.arange(num_docs)  # T = 1, a row each

@@ -101,6 +101,7 @@ __all__ = [
     "digamma_positive",
     "document_log_partition",
     "expected_log_dirichlet",
+    "expected_log_topics",
     "fit",
     "heldout_log_likelihood",
     "init_state",
@@ -393,6 +394,21 @@ def expected_log_dirichlet(conc: jax.typing.ArrayLike) -> jax.Array:
     return digamma_positive(conc) - digamma_positive(jnp.sum(conc, axis=-1, keepdims=True))
 
 
+def expected_log_topics(lam: jax.typing.ArrayLike) -> jax.Array:
+    r""":func:`expected_log_dirichlet` of the (K, V) topics, one topic at a time
+    (``lax.map``). The loop's result is materialised, and the local step gathers its rows
+    from it: from the one-line formula XLA fuses the digammas into that gather and evaluates
+    them once per row entry, not once per topic and word (3x the step on 1,300-word
+    documents at K = 10: docs/reproductions.md, issue 22, item 3).
+
+    Example:
+        >>> lam = jnp.array([[1.0, 1.0], [2.0, 6.0]])
+        >>> bool(jnp.allclose(expected_log_topics(lam), expected_log_dirichlet(lam)))
+        True
+    """
+    return jax.lax.map(expected_log_dirichlet, jnp.asarray(lam))
+
+
 def learning_rate(step: jax.typing.ArrayLike, tau: float, kappa: float) -> jax.Array:
     r"""Robbins-Monro :math:`\rho_t = (\tau + t)^{-\kappa}` at update ``t = step + 1``
     (Mandt et al. 2016, section 4; Hoffman et al. 2010; scikit-learn's ``n_batch_iter_``).
@@ -635,7 +651,6 @@ def local_step(
     gamma0: jax.Array,
     inv_temperature: jax.typing.ArrayLike | tuple = 1.0,
     row_doc: jax.Array | None = None,
-    elog_beta: jax.Array | None = None,
 ) -> LocalResult:
     r"""The tempered local updates of a minibatch (supplement eq. 9), vectorised over documents.
 
@@ -644,12 +659,7 @@ def local_step(
     documents span several rows (default: row d is document d). ``gamma0``: (B, K) initial
     :math:`\gamma`; ``inv_temperature``: :math:`1/T` (scalar or (B,)). Each document
     iterates until the mean absolute change of its :math:`\gamma_d` is below ``cfg.tol``, at
-    most ``cfg.max_doc_iter`` sweeps. ``elog_beta``: :math:`\mathbb E_q[\log\beta]` (K, V)
-    if already computed (:func:`expected_log_dirichlet` of ``lam``; :func:`fit` passes the
-    one its previous step computed: computed here under the same ``jit`` as the gather of
-    the rows, XLA fuses the digammas into the gather and evaluates them once per row entry
-    instead of once per topic and word; docs/reproductions.md, issue 22, item 3).
-    Returns :math:`\gamma`, the rows' scaled sufficient statistics
+    most ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient statistics
     :math:`n_{dv}\phi_{dvk}/T_d` (R, K, W), the :math:`1/T_d` used, the sweeps per document
     and (MVI) :math:`q(y_d)`.
 
@@ -691,9 +701,7 @@ def local_step(
     gamma0 = jnp.asarray(gamma0, dtype)
     batch = gamma0.shape[0]
     row_doc = jnp.arange(counts.shape[0]) if row_doc is None else jnp.asarray(row_doc)
-    if elog_beta is None:
-        elog_beta = expected_log_dirichlet(lam)
-    elog_w = _gather(elog_beta, jnp.asarray(ids))  # (R, K, W)
+    elog_w = _gather(expected_log_topics(lam), jnp.asarray(ids))  # (R, K, W)
     if isinstance(inv_temperature, tuple):
         ladder = tuple(jnp.asarray(x, dtype) for x in inv_temperature)
         score_w = None
@@ -750,14 +758,14 @@ class _Stats(NamedTuple):
     hot_mass: jax.Array  # sum over real documents of the q(y_d) mass the hot anchors serve
 
 
-def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc, elog_beta=None
+def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
                 ) -> tuple[_Stats, jax.Array]:
     """Local updates of the documents (``real``: not padding): their summed sufficient
     statistics (a sum over documents, so shards of a minibatch add up: ``psum``) and their
     fitted gamma."""
     dtype = lam.dtype
     if isinstance(temperature, tuple):
-        local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc, elog_beta)
+        local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
@@ -767,7 +775,7 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc, elog_
         hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
     else:
         t = jnp.asarray(temperature, dtype)
-        local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc, elog_beta)
+        local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
         log_rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
         hot_mass = jnp.zeros((), dtype)
@@ -850,21 +858,19 @@ def _segment_logsumexp(x: jax.Array, segment: jax.Array, num: int) -> jax.Array:
     return top + jnp.log(jax.ops.segment_sum(jnp.exp(x - top[segment]), segment, num))
 
 
-def _corpus_step(cfg, state, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc,
-                 batch_docs, gamma0, temperature):
+def _corpus_step(cfg, state, all_ids, all_counts, all_log_c, batch, rows, row_doc, batch_docs,
+                 gamma0, temperature):
     """One update on the minibatch ``batch`` (document indices) of the device-resident
     corpus, whose words are the rows ``rows`` (``row_doc``: position in the minibatch);
-    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI); ``elog_beta``:
-    E[log beta] of ``state`` (see :func:`local_step`). Returns the new state, the step's
-    record, the minibatch's fitted gamma and the new state's E[log beta]."""
+    ``temperature`` is T, or ``(1/T_m, log pi_m)`` with ``all_log_c`` (MVI). Returns the
+    new state, the step's record and the minibatch's fitted gamma."""
     ids, counts = all_ids[rows], all_counts[rows]
     if isinstance(temperature, tuple):
         temperature = (*temperature, all_log_c[batch])
     real = jnp.arange(gamma0.shape[0]) < batch_docs
     stats, gamma = _statistics(cfg, state.lam, ids, counts, real, temperature, gamma0,
-                               row_doc, elog_beta)
-    state, info = _global_step(cfg, state, stats, batch_docs, temperature)
-    return state, info, gamma, expected_log_dirichlet(state.lam)
+                               row_doc)
+    return (*_global_step(cfg, state, stats, batch_docs, temperature), gamma)
 
 
 def _split_rows(corpus: Corpus, width: int):
@@ -889,11 +895,11 @@ def _batch_rows(docs: np.ndarray, start: np.ndarray, per_doc: np.ndarray):
     return first + offset, np.repeat(np.arange(docs.size), n)
 
 
-_corpus_step_jit = jax.jit(_corpus_step, static_argnums=0, donate_argnums=(1, 2))
+_corpus_step_jit = jax.jit(_corpus_step, static_argnums=0, donate_argnums=1)
 
 
-def _sharded_step(cfg, mesh, state, elog_beta, all_ids, all_counts, all_log_c, batch, rows,
-                  row_doc, batch_docs, gamma0, temperature):
+def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows, row_doc,
+                  batch_docs, gamma0, temperature):
     """:func:`_corpus_step` data-parallel over the ``"data"`` axis of ``mesh``: each device
     runs the local updates of its share of the minibatch (``batch``, ``rows``, ``row_doc``,
     ``gamma0`` are split along their first axis; ``row_doc`` counts within the share), the
@@ -902,13 +908,12 @@ def _sharded_step(cfg, mesh, state, elog_beta, all_ids, all_counts, all_log_c, b
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    def local(lam, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0,
-              temperature):
+    def local(lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature):
         ids, counts = all_ids[rows], all_counts[rows]
         if isinstance(temperature, tuple):
             temperature = (*temperature, all_log_c[batch])
         stats, gamma = _statistics(cfg, lam, ids, counts, batch < cfg.num_docs, temperature,
-                                   gamma0, row_doc, elog_beta)
+                                   gamma0, row_doc)
         log_words = stats.log_rung_words  # a log of a sum: log-sum-exp over devices
         top = jax.lax.stop_gradient(jax.lax.pmax(log_words, _DATA_AXIS))
         top = jnp.where(jnp.isfinite(top), top, 0.0)
@@ -919,18 +924,15 @@ def _sharded_step(cfg, mesh, state, elog_beta, all_ids, all_counts, all_log_c, b
 
     data, rep = P(_DATA_AXIS), P()
     stats, gamma = jax.shard_map(
-        local, mesh=mesh, in_specs=(rep, rep, rep, rep, rep, data, data, data, data, rep),
+        local, mesh=mesh, in_specs=(rep, rep, rep, rep, data, data, data, data, rep),
         out_specs=(rep, data), check_vma=False,  # the per-document loops mix the two
-    )(state.lam, elog_beta, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0,
-      temperature)
+    )(state.lam, all_ids, all_counts, all_log_c, batch, rows, row_doc, gamma0, temperature)
     new_state, info = _global_step(cfg, state, stats, batch_docs, temperature)
     replicated = NamedSharding(mesh, rep)
-    new_state, info, elog_beta = jax.lax.with_sharding_constraint(
-        (new_state, info, expected_log_dirichlet(new_state.lam)), replicated)
-    return new_state, info, gamma, elog_beta
+    return (*jax.lax.with_sharding_constraint((new_state, info), replicated), gamma)
 
 
-_sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=(2, 3))
+_sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=2)
 _DATA_AXIS = "data"
 _COMPILED: dict = {}
 
@@ -1187,10 +1189,9 @@ def fit(
                    .astype(dtype), True)
 
     state = put(jax.tree.map(jnp.array, state), False)  # donated: never the caller's arrays
-    elog_beta = put(_expected_log_topics(state.lam), False)  # then each step's own output
     all_ids, all_counts, all_log_c = put((all_ids, all_counts, all_log_c), False)
     temps_in = [put(t, False) for t in temps_in]
-    example = (state, elog_beta, all_ids, all_counts, all_log_c,
+    example = (state, all_ids, all_counts, all_log_c,
                *padded(batches[0], doc_shards[0], rows[0]),
                put(np.zeros((padded_size, num_topics), dtype), True), temps_in[0])
     compiled, compile_seconds = _compiled_step(cfg, example, mesh)
@@ -1205,8 +1206,8 @@ def fit(
     gamma0 = first_gamma(doc_shards[0])
     if lazy:  # a dry run of the first update (its result dropped): which rungs it uses
         tick = time.perf_counter()
-        dry = put(jax.tree.map(jnp.array, (state, elog_beta)), False)
-        _, info, _, _ = compiled(*dry, all_ids, all_counts, all_log_c,
+        dry = put(jax.tree.map(jnp.array, state), False)
+        _, info, _ = compiled(dry, all_ids, all_counts, all_log_c,
                               *padded(batches[0], doc_shards[0], rows[0]), gamma0, temps_in[0])
         all_log_c = put(jnp.asarray(normaliser.table(
             state.lam, np.asarray(info.log_rung_words, np.float64),
@@ -1238,7 +1239,7 @@ def fit(
         if skip_hot:
             probe = hot_share >= temperature.tolerance or since_probe + 1 >= PROBE_EVERY
             step, temp = (compiled, temp) if probe else (cold_step, cold_only)
-        state, info, gamma, elog_beta = step(state, elog_beta, all_ids, all_counts, all_log_c,
+        state, info, gamma = step(state, all_ids, all_counts, all_log_c,
                                   *padded(docs, sh, doc_rows),
                                   gamma0 if i == 0 else first_gamma(sh), temp)
         if skip_hot:
@@ -1264,9 +1265,6 @@ def fit(
                      total / seconds if seconds > 0 else float("inf"), log_c_seconds,
                      normaliser.rungs if normaliser is not None else 0,
                      np.asarray(jnp.stack([i.iterations for i in infos])))
-
-
-_expected_log_topics = jax.jit(expected_log_dirichlet)
 
 
 @partial(jax.jit, donate_argnums=0)
