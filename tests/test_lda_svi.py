@@ -109,6 +109,12 @@ def test_update_matches_numpy_reference(tiny, temperature, row_width):
     assert ref_sweeps.max() > ref_sweeps.min()  # documents really stop at different sweeps
     np.testing.assert_allclose(np.asarray(new.lam), ref_lam, rtol=1e-10)
     assert int(new.step) == 4 and float(info.rho) == pytest.approx((5.0 + 4) ** -0.8)
+    if row_width is None:  # the statistics, laid out (rows, words, topics) as documented
+        for d, (w, cnt) in enumerate(_docs(corpus, rows[:3])):
+            _, ref, _ = _ref_local(np.asarray(state.lam), w, cnt, gamma0[d], 0.3,
+                                   1.0 / temperature, 60, 1e-4)
+            got = np.asarray(local.sstats[d])[corpus.counts[rows[d]] > 0]
+            np.testing.assert_allclose(got, ref.T, rtol=1e-9)
 
 
 def test_t1_update_is_sklearn_online_step(tiny):

@@ -348,7 +348,7 @@ class StepInfo(NamedTuple):
 
 class LocalResult(NamedTuple):
     gamma: jax.Array  # (B, K)
-    sstats: jax.Array  # (R, K, W): n_dv phi_dvk E[1/T_d] per row of words
+    sstats: jax.Array  # (R, W, K): n_dv phi_dvk E[1/T_d] per row of words
     inv_temperature: jax.Array  # (B,)
     iterations: jax.Array  # (B,)
     q_y: jax.Array | None  # (B, M) for MVI
@@ -659,9 +659,9 @@ def local_step(
     documents span several rows (default: row d is document d). ``gamma0``: (B, K) initial
     :math:`\gamma`; ``inv_temperature``: :math:`1/T` (scalar or (B,)). Each document
     iterates until the mean absolute change of its :math:`\gamma_d` is below ``cfg.tol``, at
-    most ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient statistics
-    :math:`n_{dv}\phi_{dvk}/T_d` (R, K, W), the :math:`1/T_d` used, the sweeps per document
-    and (MVI) :math:`q(y_d)`.
+    most ``cfg.max_doc_iter`` sweeps. Returns :math:`\gamma`, the rows' scaled sufficient
+    statistics :math:`n_{dv}\phi_{dvk}/T_d` (R, W, K), the :math:`1/T_d` used, the sweeps
+    per document and (MVI) :math:`q(y_d)`.
 
     **Multicanonical** (``inv_temperature`` a tuple ``(1/T_m (M,), log pi (M,), anchors (J,),
     log C_d(T_m) (B, M))``, ``anchors`` the inverse temperatures of J rungs, the first 1):
@@ -696,6 +696,13 @@ def local_step(
         >>> [round(float(g), 2) for g in out.gamma[0]]  # alpha = 1/2, + ~3 words to topic 0
         [3.48, 0.52]
     """
+    local = _local_step(cfg, lam, ids, counts, gamma0, inv_temperature, row_doc)
+    return local._replace(sstats=jnp.swapaxes(local.sstats, 1, 2))
+
+
+def _local_step(cfg, lam, ids, counts, gamma0, inv_temperature, row_doc) -> LocalResult:
+    """:func:`local_step` with the statistics laid out (R, K, W), as :func:`_gather` lays
+    out the rows (the layout the local loops are fast in)."""
     dtype = lam.dtype
     counts = jnp.asarray(counts, dtype)
     gamma0 = jnp.asarray(gamma0, dtype)
@@ -765,7 +772,7 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
     fitted gamma."""
     dtype = lam.dtype
     if isinstance(temperature, tuple):
-        local = local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
+        local = _local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
         sum_t = jnp.sum(jnp.where(real, expected_t, 0))
         length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
@@ -775,7 +782,7 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
         hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
     else:
         t = jnp.asarray(temperature, dtype)
-        local = local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
+        local = _local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
         log_rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
         hot_mass = jnp.zeros((), dtype)
