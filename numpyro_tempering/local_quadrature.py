@@ -293,13 +293,21 @@ def _placement(joint: _Joint, frame: _Frame, u: jax.Array, t: jax.Array,
 
 def _log_c(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
            rule: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple:
-    """Per-element ``log c-hat_n`` ``(N,)`` by the rule at the placement, the rest of L_T
-    (the sites outside the plate, which do not depend on the locals), and per element the
-    share of the rule's normalised weights at nodes where the log density is NaN (counted
-    as zero in ``log c-hat_n``: e.g. a log link's ``exp`` beyond float32's range; the
-    quadrature check counts them as the rule's Gaussian would)."""
-    grid, corr, log_w = rule
-    grid = jnp.asarray(grid, u.dtype)
+    """:func:`_log_c_rules` of one rule."""
+    return _log_c_rules(joint, place, u, t, (rule,))[0]
+
+
+def _log_c_rules(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
+                 rules: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]) -> list[tuple]:
+    """Per rule: the per-element ``log c-hat_n`` ``(N,)`` by the rule at the placement, the
+    rest of L_T (the sites outside the plate, which do not depend on the locals), and per
+    element the share of the rule's normalised weights at nodes where the log density is
+    NaN (counted as zero in ``log c-hat_n``: e.g. a log link's ``exp`` beyond float32's
+    range; the quadrature check counts them as the rule's Gaussian would). The log density
+    is evaluated once, at all the rules' nodes together: each evaluation site is a copy of
+    the model's likelihood in the compiled program (a series normaliser inlined once per
+    site dominated the compilation of a Poisson log-link model)."""
+    grid = jnp.asarray(np.concatenate([rule[0] for rule in rules]), u.dtype)
     log_det = jnp.sum(jnp.log(jnp.diagonal(place.low, axis1=1, axis2=2)), -1)  # (N,)
 
     def at(e: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -307,11 +315,17 @@ def _log_c(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
         _, el, rest = joint.log_density(u, place.mode + shift, t)
         return el, rest
 
-    el, rest = jax.vmap(at)(grid)  # (J, N), (J,)
-    lost = logsumexp(jnp.where(jnp.isnan(el), jnp.asarray(log_w, u.dtype)[:, None], -jnp.inf), 0)
-    el = jnp.where(jnp.isnan(el), -jnp.inf, el)
-    log_c = logsumexp(el + jnp.asarray(corr, u.dtype)[:, None], axis=0) - log_det
-    return log_c, rest[0], jnp.exp(lost)
+    el_all, rest = jax.vmap(at)(grid)  # (J, N), (J,)
+    out, start = [], 0
+    for nodes, corr, log_w in rules:
+        el = el_all[start:start + len(nodes)]
+        start += len(nodes)
+        lost = logsumexp(jnp.where(jnp.isnan(el), jnp.asarray(log_w, u.dtype)[:, None],
+                                   -jnp.inf), 0)
+        el = jnp.where(jnp.isnan(el), -jnp.inf, el)
+        log_c = logsumexp(el + jnp.asarray(corr, u.dtype)[:, None], axis=0) - log_det
+        out.append((log_c, rest[0], jnp.exp(lost)))
+    return out
 
 
 def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -> tuple:
@@ -338,14 +352,14 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
         return jnp.sum(el) + rest, el, rest
 
     def check(u: jax.Array, elements: bool = False) -> jax.Array | tuple:
-        where = place(u, temperature)
-        coarse = _log_c(joint, where, u, temperature, rule)[0]
-        finer, _, lost = _log_c(joint, where, u, temperature, fine)
+        rules = (rule, fine) if wide is None else (rule, fine, wide)
+        (coarse, _, _), (finer, _, lost), *beyond = _log_c_rules(
+            joint, place(u, temperature), u, temperature, rules)
         # the fine rule's nodes where the log density is NaN (counted as zero) are counted
         # as the rule's Gaussian weighs them: log c_n is then higher by -log(1 - lost_n)
         best = finer - jnp.log1p(-lost)
-        if wide is not None:  # mass beyond both rules' reach (another mode): the wide rule
-            best = jnp.maximum(best, _log_c(joint, where, u, temperature, wide)[0])
+        if beyond:  # mass beyond both rules' reach (another mode): the wide rule
+            best = jnp.maximum(best, beyond[0][0])
         value = jnp.sum(best) - jnp.sum(coarse)
         return (value, coarse) if elements else value
 

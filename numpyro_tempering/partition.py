@@ -1008,11 +1008,15 @@ def _binomial_args(d: Distribution) -> tuple[bool, Array, Array]:
 
 def _bucketed(log_sum: Callable[[tuple[Array, ...]], Array], params: tuple[Array, ...]) -> Array:
     """Run a series on flattened params padded to a power-of-two length (>= 8), so that its
-    while loop compiles once per size bucket rather than once per batch shape."""
+    while loop compiles once per size bucket rather than once per batch shape. Under an
+    outer trace (``jit``, ``vmap``, ...) the loop is part of that program and compiled with
+    it whatever its length: the padding would only add work, so the series runs as it is."""
     shape = params[0].shape
     size = math.prod(shape)
     if size == 0:
         return jnp.zeros(shape, params[0].dtype)
+    if any(isinstance(p, jax.core.Tracer) for p in params):
+        return log_sum(tuple(p.reshape(-1) for p in params)).reshape(shape)
     bucket = max(8, 1 << (size - 1).bit_length())
     return _unflatten(log_sum(_flatten_pad(bucket, params)), shape)
 
