@@ -169,7 +169,7 @@ def timing(args, train) -> dict:
 
     draw_grad, stock_grad = draw(lda_blackbox.ImplicitDirichlet), draw(dist.Dirichlet)
     local = jax.jit(lambda lam: lda_blackbox.local_gamma(
-        lam, mb_ids, mb_counts, 1.0 / k, options.get("local_iter", 30)))
+        lam, mb_ids, mb_counts, 1.0 / k, options.get("local_iter", lda_blackbox.LOCAL_SWEEPS)))
     key = jax.random.PRNGKey(0)
     warmup = args.warmup if args.warmup is not None else 2 * math.ceil(d / b)
     rows = {}
@@ -219,7 +219,8 @@ def timing(args, train) -> dict:
                        "stock_draw_ratio": float(np.median(r_st))}
         if t_lo:
             r_lo = np.asarray(t_lo) / t_lp
-            print(f"{'':<16} of which the local step ({options.get('local_iter', 30)} sweeps): "
+            sweeps = options.get("local_iter", lda_blackbox.LOCAL_SWEEPS)
+            print(f"{'':<16} of which the local step ({sweeps} sweeps): "
                   f"{1e3 * np.median(t_lo):.2f} ms, {np.median(r_lo):.1f} +- {iqr(r_lo):.1f} "
                   f"x logp+grad", flush=True)
             rows[guide]["local_ratio"] = float(np.median(r_lo))
