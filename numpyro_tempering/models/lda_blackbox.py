@@ -314,8 +314,8 @@ def encoder_apply(
     return jax.nn.softplus(h @ params["enc_w2"] + params["enc_b2"]) + _FLOOR
 
 
-#: sweeps of the ``"local"`` guide's fixed point per update (:func:`local_gamma`): 20, not 30,
-#: since the same held-out at 8 passes (Reuters, 3 seeds) and an update within 20x a log
+#: sweeps of the ``"local"`` guide's fixed point per update (:func:`local_gamma`): 20 gave the
+#: same held-out as 30 at 8 passes (Reuters, 3 seeds) and an update of 18.4-18.7x a log
 #: density + gradient of its minibatch instead of 21-22x (docs/reproductions.md, issue 22)
 LOCAL_SWEEPS = 20
 
