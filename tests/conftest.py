@@ -9,6 +9,7 @@ set for float32 anyway). The optimisation level the user runs with is kept in
 stall test of ``test_log_partition_modes.py``).
 """
 
+import gc
 import os
 
 USER_XLA_FLAGS = "NUMPYRO_TEMPERING_USER_XLA_FLAGS"
@@ -64,3 +65,39 @@ def _rank(item) -> int:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_rank)  # stable: the others keep their order
+
+
+# Each compiled XLA:CPU program holds memory mappings (code, read-only data, data: ~6-9 for a
+# small program) for as long as JAX keeps it, and JAX's caches keep every program of a live
+# jitted function (and up to 4096 eager-op programs) for the life of the process. One
+# pytest-xdist worker compiles enough of them to approach vm.max_map_count (65530 by default;
+# measured: 42,000 mappings at 45% of the suite); once there, LLVM cannot map the next
+# program: "LLVM compilation error: Cannot allocate memory" and a segfault in
+# backend_compile_and_load, or "LLVM ERROR: Unable to allocate section memory!" and an abort
+# on a compile thread (both reproduced by filling the table). So every few tests, once the
+# process uses half of that limit, JAX's caches are dropped (later tests recompile; a drop
+# took 8-14 s, about once per worker per run at the default limit; .ci/run raises the limit).
+try:
+    with open("/proc/sys/vm/max_map_count") as _f:
+        _CLEAR_ABOVE: int | None = int(_f.read()) // 2
+except (OSError, ValueError):  # not Linux
+    _CLEAR_ABOVE = None
+_CHECK_EVERY = 10  # counting ~40k mappings takes ~50 ms; 10 tests added at most ~8k
+_teardowns = 0
+
+
+def _num_mappings() -> int:
+    with open("/proc/self/maps", "rb") as f:
+        return sum(1 for _ in f)
+
+
+def pytest_runtest_teardown(item, nextitem):
+    global _teardowns
+    _teardowns += 1
+    if _CLEAR_ABOVE is None or _teardowns % _CHECK_EVERY:
+        return
+    if _num_mappings() > _CLEAR_ABOVE:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
