@@ -5,7 +5,6 @@ joint SMC over globals and locals (numpyro_tempering.joint_smc, d > 2), the nest
 they replace, and the refusals that keep the fallback."""
 
 import math
-import time
 import warnings
 
 import jax
@@ -19,6 +18,7 @@ from scipy.special import gammaln
 from scipy.stats import halfnorm
 
 from numpyro_tempering import local_quadrature
+from numpyro_tempering import partition_function as pf
 from numpyro_tempering.partition import tempered
 from numpyro_tempering.partition_function import log_partition
 
@@ -107,13 +107,12 @@ def check_contract(est, exact):
 
 @pytest.fixture(scope="module")
 def gamma_estimate():
-    """The module's one default-route run (quadrature over the locals), shared."""
+    """The module's one default-route run (quadrature over the locals), shared. Its time
+    is measured by ``benchmarks/log_partition_locals.py``, not asserted here."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback, no untrusted warning
-        start = time.perf_counter()
-        est = log_partition(KEY, gamma_local, TEMPS, jnp.zeros(N), plate="data",
-                            progress_bar=False)
-        return est, time.perf_counter() - start
+        return log_partition(KEY, gamma_local, TEMPS, jnp.zeros(N), plate="data",
+                             progress_bar=False)
 
 
 def test_the_default_integrates_a_skewed_local_and_measures_its_quadrature_error(
@@ -122,7 +121,7 @@ def test_the_default_integrates_a_skewed_local_and_measures_its_quadrature_error
     contract holds at every temperature, and the reported quadrature error is the rule's
     exact error (computed in float64 here) to within float32 rounding; the joint SMC took
     28-52 stages and erred by up to 0.8 nats on this model at N = 500."""
-    est, seconds = gamma_estimate
+    est = gamma_estimate
     assert est.method == "smc" and est.route == "quadrature"
     check_contract(est, gamma_exact(TEMPS, N))
     # the check's fine rule is ~100x more accurate: quad ~ exact - coarse = -rule error
@@ -130,7 +129,6 @@ def test_the_default_integrates_a_skewed_local_and_measures_its_quadrature_error
     assert float(est.quadrature_error[0]) == 0.0  # T = 1: log C = 0 exactly, no rule
     np.testing.assert_allclose(est.quadrature_error[1:], expected[1:], rtol=0.2, atol=1e-4)
     assert float(np.max(np.abs(expected))) > 1.5e-3  # the check has something to see
-    assert seconds < 90.0
 
 
 def test_the_rule_is_exact_for_a_gaussian_conditional():
@@ -194,23 +192,30 @@ def test_an_untempered_factor_on_the_local_is_inside_each_elements_integral():
 
 
 def test_log_c_one_is_zero(gamma_estimate):
-    est, _ = gamma_estimate
+    est = gamma_estimate
     assert float(est.log_c[0]) == 0.0 and float(est.stderr[0]) == 0.0
 
 
 def test_per_element_values_add_up(gamma_estimate):
-    est, _ = gamma_estimate
+    est = gamma_estimate
     assert est.element_log_c.shape == (TEMPS.shape[0], N)
     np.testing.assert_allclose(np.sum(est.element_log_c, -1), est.log_c, rtol=1e-5, atol=1e-3)
 
 
 def test_other_data_reuse_the_compiled_run_and_agree(gamma_estimate):
-    """Another key (same shapes: cached compilation) is again within the contract."""
-    start = time.perf_counter()
+    """Another key and other data of the same shapes: no new runner, and the runner's one
+    compiled executable serves both calls (its jit cache holds one entry, or none before
+    the call if the suite dropped JAX's caches in between); again within the contract."""
+    def runners():
+        return {k: f for k, f in pf._SMC_CACHE.items() if k[1] is gamma_local}
+
+    before = runners()
+    assert before, "the fixture's run is not in the runner cache"
     est = log_partition(jax.random.PRNGKey(1), gamma_local, TEMPS, jnp.ones(N),
                         plate="data", progress_bar=False, route="quadrature")
+    assert runners().keys() == before.keys()
+    assert all(f._cache_size() == 1 for f in before.values())
     check_contract(est, gamma_exact(TEMPS, N))
-    assert time.perf_counter() - start < 0.5 * 90.0
 
 
 def test_nested_fallback_is_badly_off_here():
@@ -276,12 +281,11 @@ POISSON_TEMPS = jnp.array([3.0, 10.0])
 @pytest.fixture(scope="module")
 def poisson_quadrature():
     """One default call (the quadrature route) on the Poisson funnel at two temperatures."""
-    start = time.perf_counter()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         est = log_partition(KEY, poisson_log_link, POISSON_TEMPS, jnp.zeros(4), plate="data",
                             progress_bar=False)
-    return est, time.perf_counter() - start, [str(w.message) for w in record]
+    return est, [str(w.message) for w in record]
 
 
 class TestPoissonFunnel:
@@ -294,19 +298,12 @@ class TestPoissonFunnel:
         that was fixed a flagged quadrature error at T = 10 (the Newton step stuck at the
         funnel neck's predictor put the nodes badly near s = e^1.25); now within the
         contract, unflagged, with a measured quadrature error far below the tolerance."""
-        est, seconds, messages = poisson_quadrature
+        est, messages = poisson_quadrature
         assert est.route == "quadrature"
         exact = np.array([poisson_reference(float(t)) for t in POISSON_TEMPS])
         check_contract(est, exact)
         assert np.all(np.abs(est.quadrature_error) < 1e-3), est.quadrature_error
         assert not any("cannot be trusted" in m for m in messages), messages
-        # not the contract's 90 s: XLA lowers and compiles this runner (a series
-        # normaliser inside the nodes, the Newton steps and the HMC gradients) for 33-51 s
-        # (measured at these two temperatures, interleaved with the code before its
-        # duplicate traces were removed: 52 s a first call on a quiet machine, 69 s before;
-        # 89 s, 114 s before, while other jobs loaded it; 89 s a first call at four
-        # temperatures on an idle machine before, 82 s before the fixes, which gave NaN)
-        assert seconds < 180.0
 
 
 WELL_B, WELL_C, WELL_E = 8.0, 0.5, 0.3  # a double well in the local: see double_well
