@@ -214,10 +214,11 @@ class _tempered_prior(Messenger):
 
     At a site marked tempered: record ``scale * log Z(T)`` of its distribution given its
     parents and, if latent, replace its distribution by the normalised tempered one (the
-    default sampler then draws from it); ``site_log_z`` keeps the largest ``|log Z(T)|``
-    of each tempered site (for the ``log Z(1) = 0`` check). At an untempered observed site:
-    record ``scale * log p(value)`` (an importance weight). Untempered latents are left
-    alone (drawn from the prior, or substituted by an outer handler).
+    default sampler then draws from it); ``site_log_z`` keeps the ``log Z(T)`` farthest
+    from 0 of each tempered site, with its sign (for the ``log Z(1) = 0`` check). At an
+    untempered observed site: record ``scale * log p(value)`` (an importance weight).
+    Untempered latents are left alone (drawn from the prior, or substituted by an outer
+    handler).
     """
 
     def __init__(self, fn: Callable, temperature: Any, fallback: Fallback = None) -> None:
@@ -252,7 +253,8 @@ class _tempered_prior(Messenger):
                 msg["fn"] = law
             size = math.prod(jnp.shape(contribution))
             self.site_log_z[msg["name"]] = (
-                jnp.max(jnp.abs(contribution)) if size else jnp.zeros((), contribution.dtype)
+                _farthest_from_zero(jnp.ravel(contribution), 0) if size
+                else jnp.zeros((), contribution.dtype)
             )
         elif msg["is_observed"]:
             contribution = fn.log_prob(msg["value"])
@@ -392,7 +394,7 @@ class _Inner(NamedTuple):
     elements: jax.Array  # (E,) per-element log contributions, without the multiplicity N/B
     rest: jax.Array  # () contributions outside the plate
     multiplicity: jax.Array  # () N/B of a subsampled plate
-    site_log_z: dict  # name -> () largest |log Z(T)| of each tempered site
+    site_log_z: dict  # name -> () log Z(T) farthest from 0 of each tempered site
 
 
 def _contributions(
@@ -453,7 +455,7 @@ class _Draw(NamedTuple):
     mean_log: jax.Array  # (M,) sum_n mean_k a_kn (+ rest): for the E-log Jensen bound
     element_log_mean: jax.Array  # (M, E) log mean_k exp(a_kn)
     rest_log_mean: jax.Array  # (M,)
-    site_log_z: dict  # name -> (M,) largest |log Z(T)| of each tempered site
+    site_log_z: dict  # name -> (M,) log Z(T) farthest from 0 of each tempered site
 
 
 def _draws(
@@ -491,7 +493,7 @@ def _draws(
             mean_log=mult * el.mean(1).sum(-1) + rest.mean(1),
             element_log_mean=element_lme,
             rest_log_mean=rest_lme,
-            site_log_z=jax.tree.map(lambda v: jnp.max(v, axis=1), inner.site_log_z),
+            site_log_z=jax.tree.map(lambda v: _farthest_from_zero(v, 1), inner.site_log_z),
         )
 
     keys = random.split(rng_key, num_samples)
@@ -543,17 +545,31 @@ def _prepare(
 LOG_Z1_TOL = 1e-3
 
 
+def _farthest_from_zero(v: jax.Array, axis: int) -> jax.Array:
+    """The entries of ``v`` farthest from 0 along ``axis``, with their signs (NaN wins)."""
+    return jnp.squeeze(jnp.take_along_axis(v, jnp.expand_dims(jnp.argmax(jnp.abs(v), axis), axis),
+                                           axis), axis)
+
+
 def _check_log_z_one(site_log_z: dict, temps: jax.Array, who: str) -> list[str]:
-    """Raise for tempered sites with a finite ``|log Z(1)| > LOG_Z1_TOL``; return the sites
+    """Raise for tempered sites with a finite ``|log Z(1)| > LOG_Z1_TOL`` on some element (too
+    large or too small: either way every log C(T) built on it would be off); return the sites
     whose normaliser at T = 1 is NaN (counted as non-finite draws by the caller)."""
     one = int(np.argmax(np.asarray(temps) == 1.0))
-    values = {n: float(np.max(np.asarray(v)[..., one])) for n, v in site_log_z.items()}
-    wrong = {n: v for n, v in values.items() if np.isfinite(v) and v > LOG_Z1_TOL}
+
+    def worst(v) -> float:  # the element farthest from 0, with its sign (nan if any is nan)
+        v = np.asarray(v)[..., one].ravel()
+        return float(v[np.argmax(np.abs(v))]) if v.size and not np.isnan(v).any() else (
+            float("nan") if v.size else 0.0)
+
+    values = {n: worst(v) for n, v in site_log_z.items()}
+    wrong = {n: v for n, v in values.items() if np.isfinite(v) and abs(v) > LOG_Z1_TOL}
     if wrong:
-        found = ", ".join(f"'{n}' up to {v:.4g}" for n, v in sorted(wrong.items()))
+        found = ", ".join(f"'{n}' {v:+.4g}" for n, v in sorted(wrong.items()))
         raise ValueError(
             f"{who}: at T = 1 the tempered normaliser log Z(1) = log int p(x) dx of site(s) "
-            f"{found} per element, where a normalised density has exactly 0 (C(1) = 1). The "
+            f"{found} (the element farthest from 0), where a normalised density has exactly 0 "
+            "(C(1) = 1). The "
             "site's tempering rule is inaccurate (e.g. a numerical fallback) or its density "
             "is not normalised (e.g. a Delta with a log_density); every log C(T) built on it "
             "would be off."
@@ -878,7 +894,7 @@ def _prior_estimate(
     def summarise(draws: _Draw) -> tuple:
         log_c, stderr, ess, bad = _summarise(draws.log_c)
         element = _element_split(draws, log_c) if per_element else None
-        site_log_z = jax.tree.map(lambda v: jnp.max(v, axis=0), draws.site_log_z)
+        site_log_z = jax.tree.map(lambda v: _farthest_from_zero(v, 0), draws.site_log_z)
         return draws.log_c, log_c, stderr, ess, bad, element, site_log_z
 
     run = _compiled_draws(
@@ -1712,8 +1728,10 @@ class JensenBounds(NamedTuple):
         mean_log: :math:`\mathbb{E}_{\beta}\sum_n \mathbb{E}_{z_n}[\log f_n]` (eq. 8, first
             line). A lower bound of :math:`\log C(T)`: Jensen for the concave log, twice.
         log_mean: :math:`\sum_n \log \mathbb{E}_{\beta, z_n}[f_n]` (eq. 8, second line).
-            The supplement calls it an *upper* bound, but for exchangeable elements it is a
-            **lower** bound too: :math:`C = \mathbb{E}_\beta[g(\beta)^N] \ge
+            The supplement calls it an *upper* bound; it is neither in general (elements
+            whose contributions move in opposite directions with :math:`\beta` can put it
+            above :math:`\log C`, see :func:`jensen_bounds`), but for exchangeable
+            elements it is a **lower** bound too: :math:`C = \mathbb{E}_\beta[g(\beta)^N] \ge
             (\mathbb{E}_\beta\, g)^N` because :math:`x \mapsto x^N` is convex
             (:math:`g = \mathbb{E}_{z}f`); it is the tighter of the two
             (:math:`\log \mathbb{E} \ge \mathbb{E} \log`). Both equal :math:`\log C` when
@@ -1744,7 +1762,12 @@ def jensen_bounds(
     **kwargs: Any,
 ) -> JensenBounds:
     r"""Monte Carlo estimates of the Jensen bounds of supplement eq. 8 (see
-    :class:`JensenBounds`; both are lower bounds of :math:`\log C(T)`).
+    :class:`JensenBounds`). ``mean_log`` is always a lower bound of :math:`\log C(T)`;
+    ``log_mean`` is one when the elements' contributions rise and fall together with the
+    globals (exchangeable elements: :math:`\mathbb E[g^N] \ge (\mathbb E g)^N`), **not in
+    general**: for :math:`x_n \sim \mathcal N(0, e^{b c_n})` with :math:`c_n = \pm 1`
+    alternating, :math:`\log C` does not depend on :math:`b` while ``log_mean`` exceeds it
+    by :math:`N(1 - 1/T)^2/2` (``tests/test_log_partition.py``).
 
     Same draws, arguments and refusals as :func:`log_partition`; memory ``O(S M E)`` for
     ``E`` plate elements.

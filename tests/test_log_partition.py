@@ -181,6 +181,31 @@ def test_jensen_bounds_of_eq8_are_both_lower_bounds(bb_estimates):
     assert np.all(log_mean[hot] < exact[hot])
 
 
+def test_log_mean_is_not_a_lower_bound_when_elements_move_apart():
+    """jensen_bounds' docstring: x_n ~ N(0, e^(b c_n)), c_n = +-1 alternating. Each element's
+    log Z is (1 - 1/T)(log(2 pi)/2 + b c_n) + log(T)/2, so log C does not depend on b
+    (the c_n cancel) and ``mean_log`` equals it, while ``log_mean`` is N (1 - 1/T)^2 / 2 above
+    it (E e^(+-c b) = e^(c^2/2) for b ~ N(0, 1))."""
+    num = 40
+    signs = jnp.where(jnp.arange(num) % 2 == 0, 1.0, -1.0)
+
+    def model(x):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", num):
+            numpyro.sample("x", dist.Normal(0.0, jnp.exp(b * signs)), obs=x)
+
+    temps = np.array([1.5, 3.0])
+    bounds = jensen_bounds(KEY, model, temps, jnp.zeros(num), num_samples=4000, plate="data")
+    c = 1.0 - 1.0 / temps
+    exact = num * (0.5 * c * np.log(2 * np.pi) + 0.5 * np.log(temps))
+    np.testing.assert_allclose(bounds.mean_log, exact, atol=1e-3)
+    # above log C, by about N (1 - 1/T)^2 / 2 (the Monte Carlo log-mean is noisy: every
+    # element shares the draws of b, so their errors add up)
+    gap = np.asarray(bounds.log_mean) - exact
+    assert np.all(gap > 0.5 * num * c**2 / 2), gap
+    np.testing.assert_allclose(gap, num * c**2 / 2, atol=0.8)
+
+
 def test_analytic_approximation_eq4_sets_globals_to_the_prior_mean():
     def model(x):  # the prior mean is used, never a draw: a Beta prior costs nothing here
         p = numpyro.sample("p", dist.Beta(2.0, 3.0))
@@ -474,7 +499,7 @@ def test_log_z_one_check_names_the_site():
         with numpyro.plate("data", x.shape[0]):
             numpyro.sample("x", _WrongNormal(mu, 1.0), obs=x)
 
-    with pytest.raises(ValueError, match=r"log Z\(1\) .* of site\(s\) 'x' up to 0.5"):
+    with pytest.raises(ValueError, match=r"log Z\(1\) .* of site\(s\) 'x' \+0.5"):
         log_partition(KEY, model, TEMPS, jnp.zeros(3))
     with pytest.raises(ValueError, match=r"site\(s\) 'x'"):  # T = 1 is checked even if absent
         log_partition(KEY, model, [2.0, 3.0], jnp.zeros(3))
@@ -484,8 +509,31 @@ def test_log_z_one_check_names_the_site():
     def delta_model(x):  # an unnormalised point mass: log int p = log_density != 0
         numpyro.sample("x", dist.Delta(x, log_density=1.3), obs=x)
 
-    with pytest.raises(ValueError, match=r"'x' up to 1.3"):
+    with pytest.raises(ValueError, match=r"'x' \+1.3"):
         log_partition(KEY, delta_model, TEMPS, jnp.zeros(()))
+
+
+class _LowNormal(dist.Normal):
+    """A Normal whose rule is 0.01 nats low on one element at T = 1 (as float32's rounding
+    made the Binomial's at n = 1e5 before its terms used log_beta)."""
+
+
+@register_tempered(_LowNormal)
+def _low_rule(d, t):
+    low = jnp.where(jnp.arange(jnp.shape(d.loc)[-1]) == 1, -0.01, 0.0) if jnp.ndim(d.loc) else 0.0
+    return TemperedResult(0.5 * jnp.log(t) * 0.0 + low, dist.Normal(d.loc, d.scale * jnp.sqrt(t)))
+
+
+def test_log_z_one_check_is_two_sided():
+    """A log Z(1) below 0 on one element is as wrong as one above: refused, the element
+    farthest from 0 named with its sign (it was one-sided: any error < 0 passed)."""
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", _LowNormal(mu + jnp.zeros(x.shape[0]), 1.0), obs=x)
+
+    with pytest.raises(ValueError, match=r"site\(s\) 'x' -0.01"):
+        analytic_log_partition(KEY, model, TEMPS, jnp.zeros(3))
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from numpy.testing import assert_allclose
 from scipy import integrate, special, stats
 
 from numpyro_tempering.partition import tempered, tempered_log_normalizer
-from numpyro_tempering.tempered_families import log_beta
+from numpyro_tempering.special import log_beta
 
 x64 = jax.enable_x64
 
