@@ -98,7 +98,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.scipy.special import logsumexp
 from numpyro import handlers as _handlers
-from numpyro.distributions import Distribution, ExpandedDistribution
+from numpyro.distributions import (
+    Distribution,
+    ExpandedDistribution,
+    Independent,
+    MaskedDistribution,
+)
 from numpyro.primitives import _PYRO_STACK, Messenger, mutable
 from numpyro.util import not_jax_tracer
 
@@ -356,12 +361,31 @@ class JointlyTempered(Distribution):
     are the base distribution's log p(x, z = k) for every value k of the summed-out local
     (Mandt et al. 2016, eq. 4 with p(x_n, z_n | beta)^(1/T)). Unnormalised in x, like every
     tempered site; ``sample`` draws from the untempered base.
+
+    The mixture may sit inside NumPyro's wrappers (a plate's expansion, ``.mask(...)``,
+    ``.to_event(...)``): the joint tempering is applied to the mixture and the wrappers
+    act on the result as they act on the mixture's own log density (broadcast over the
+    plate, masked elements 0, event dimensions summed); ``inner`` holds that rebuilt chain.
+    Stacked joint handlers multiply their inverse temperatures, as ``Tempered`` does.
+
+    Example:
+        >>> import jax.numpy as jnp, numpyro.distributions as dist
+        >>> mix = dist.MixtureSameFamily(dist.Categorical(jnp.array([0.3, 0.7])),
+        ...                              dist.Normal(jnp.array([-1.0, 1.0]), 1.0))
+        >>> d = JointlyTempered(mix.expand([4]).mask(jnp.array([True, True, False, True])), 0.5)
+        >>> lp = d.log_prob(0.2)  # the scalar observation counts once per plate element
+        >>> one = jnp.logaddexp(*(0.5 * mix.component_log_probs(0.2)))
+        >>> bool(jnp.allclose(lp, jnp.array([1.0, 1.0, 0.0, 1.0]) * one))
+        True
     """
 
     arg_constraints: dict = {}
-    pytree_data_fields = ("base", "inv_temperature")
+    pytree_data_fields = ("base", "inv_temperature", "inner")
 
     def __init__(self, base: Distribution, inv_temperature: jax.typing.ArrayLike) -> None:
+        if isinstance(base, JointlyTempered):  # stacked handlers: the powers multiply
+            inv_temperature = base.inv_temperature * jnp.asarray(inv_temperature)
+            base = base.base
         self.base = base
         self.mixture = mixture_of(base)
         if self.mixture is None:
@@ -369,6 +393,7 @@ class JointlyTempered(Distribution):
                 f"{type(base).__name__} has no `component_log_probs`: nothing to temper jointly."
             )
         self.inv_temperature = inv_temperature
+        self.inner = _joint_chain(base, jnp.asarray(inv_temperature))
         super().__init__(base.batch_shape, base.event_shape, validate_args=False)
 
     @property
@@ -379,6 +404,29 @@ class JointlyTempered(Distribution):
         return self.base.sample(key, sample_shape)
 
     def log_prob(self, value):
+        return self.inner.log_prob(value)
+
+
+class JointMixture(Distribution):
+    """The innermost piece of :class:`JointlyTempered`: a mixture's joint tempered log
+    density ``logsumexp(beta * component_log_probs(x), -1)`` (or the mixture's own
+    ``jointly_tempered_log_prob(x, beta)``), batch shape the mixture's broadcast with
+    ``beta``'s. Not samplable (the site samples from the untempered base)."""
+
+    arg_constraints: dict = {}
+    pytree_data_fields = ("mixture", "inv_temperature")
+
+    def __init__(self, mixture: Distribution, inv_temperature: jax.typing.ArrayLike) -> None:
+        self.mixture = mixture
+        self.inv_temperature = inv_temperature
+        batch = jnp.broadcast_shapes(tuple(mixture.batch_shape), jnp.shape(inv_temperature))
+        super().__init__(batch, mixture.event_shape, validate_args=False)
+
+    @property
+    def support(self):
+        return self.mixture.support
+
+    def log_prob(self, value):
         beta = jnp.asarray(self.inv_temperature)
         own = getattr(self.mixture, "jointly_tempered_log_prob", None)
         if own is not None:  # a distribution that tempers its summed-out locals itself
@@ -387,12 +435,43 @@ class JointlyTempered(Distribution):
         return logsumexp(beta * self.mixture.component_log_probs(value), axis=-1)
 
 
+def already_tempered(fn: Distribution) -> bool:
+    """Whether a site's distribution was raised to a power other than 1 by a ``temper``
+    handler (a joint handler at T = 1 leaves a :class:`JointlyTempered` of power 1, which
+    changes nothing)."""
+    if isinstance(fn, Tempered):
+        return True
+    return isinstance(fn, JointlyTempered) and not _is_one(fn.inv_temperature)
+
+
+#: NumPyro's wrappers that :func:`mixture_of` looks through (and :class:`JointlyTempered`
+#: rebuilds around the tempered mixture)
+_WRAPPERS = (ExpandedDistribution, MaskedDistribution, Independent)
+
+
+def _joint_chain(fn: Distribution, beta: jax.Array) -> Distribution:
+    """``fn``'s wrappers around :class:`JointMixture` of its mixture at ``beta`` (shaped as
+    ``fn``'s batch: an ``Independent`` moves it left of its event dimensions)."""
+    if isinstance(fn, ExpandedDistribution):
+        return _joint_chain(fn.base_dist, beta).expand(fn.batch_shape)
+    if isinstance(fn, MaskedDistribution):
+        return MaskedDistribution(_joint_chain(fn.base_dist, beta), fn._mask)
+    if isinstance(fn, Independent):
+        r = fn.reinterpreted_batch_ndims
+        inner = _joint_chain(fn.base_dist, jnp.reshape(beta, jnp.shape(beta) + (1,) * r))
+        return Independent(inner, r)
+    return JointMixture(fn, beta)
+
+
 def mixture_of(fn: Distribution) -> Distribution | None:
     """The distribution exposing ``component_log_probs`` (or its own
     ``jointly_tempered_log_prob(value, inv_temperature)``, for locals that are not one
-    categorical per value, e.g. a topic per word of a document) under plate expansions, if
-    any."""
-    while isinstance(fn, ExpandedDistribution):
+    categorical per value, e.g. a topic per word of a document) under NumPyro's wrappers
+    (plate expansions, masks, ``to_event``), if any; a :class:`JointlyTempered` site's
+    mixture (so that stacked joint handlers multiply)."""
+    if isinstance(fn, JointlyTempered):
+        return fn.mixture
+    while isinstance(fn, _WRAPPERS):
         fn = fn.base_dist
     joint = hasattr(fn, "component_log_probs") or hasattr(fn, "jointly_tempered_log_prob")
     return fn if joint else None
@@ -596,8 +675,10 @@ class temper(Messenger):
         for handler in self._outer_handlers():
             if not isinstance(handler, _handlers.condition):
                 continue
-            if handler.data is not None and msg["name"] in handler.data:
-                return True
+            if handler.data is not None:  # a None value leaves the site latent (NumPyro)
+                if handler.data.get(msg["name"]) is not None:
+                    return True
+                continue
             if handler.condition_fn is not None and handler.condition_fn(msg) is not None:
                 return True
         return False
@@ -743,6 +824,14 @@ class temper(Messenger):
             self._check_not_reparameterised_outside(msg)
         if self.selection.joint and mixture_of(msg["fn"]) is not None:
             msg["fn"] = JointlyTempered(msg["fn"], beta)
+        elif self.selection.joint and isinstance(msg["fn"], Tempered) and mixture_of(
+                msg["fn"].base_dist) is not None:
+            raise ValueError(
+                f"temper(joint=True): site '{name}' is a mixture that an inner `temper` "
+                "handler already tempers marginally (joint=False); its joint cannot be "
+                "recovered from the tempered marginal. Give both handlers joint=True (their "
+                "temperatures then multiply), or neither."
+            )
         elif not _is_one(beta):
             msg["fn"] = Tempered(msg["fn"], beta)
         msg["infer"] = {**(msg.get("infer") or {}), TEMPERED: True}

@@ -116,7 +116,13 @@ from numpyro.infer.util import log_likelihood
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
-from numpyro_tempering.handlers import TEMPERED, JointlyTempered, Selection, temper
+from numpyro_tempering.handlers import (
+    TEMPERED,
+    JointlyTempered,
+    Selection,
+    already_tempered,
+    temper,
+)
 from numpyro_tempering.ladder import Ladder
 from numpyro_tempering.roles import running_in
 from numpyro_tempering.structure import (
@@ -148,6 +154,16 @@ def log_probs_by_temperature(fn: Any, value: Any, inv_t: jax.Array) -> jax.Array
         return jax.vmap(lambda b: JointlyTempered(base, b * beta).log_prob(value))(inv_t)
     log_prob = fn.log_prob(value)
     return jnp.reshape(inv_t, (-1,) + (1,) * jnp.ndim(log_prob)) * log_prob
+
+
+def already_tempered_message(name: str, who: str) -> str:
+    """Why a model whose site ``name`` a ``temper`` handler already tempered is refused."""
+    return (
+        f"{who}: site '{name}' is already tempered by a `temper` handler in the model given "
+        "(its density is p^(1/T0)). The ladder's log C(T_m) is the untempered model's, so "
+        "the multicanonical density would use it at the wrong temperatures (T0 T_m). Give "
+        "the untempered model: the ladder's temperatures are the tempering."
+    )
 
 
 class multicanonical(Messenger):
@@ -209,6 +225,8 @@ class multicanonical(Messenger):
             return
         if msg["type"] != "sample" or not msg["infer"].get(TEMPERED, False):
             return
+        if already_tempered(msg["fn"]):
+            raise ValueError(already_tempered_message(msg["name"], "multicanonical"))
         self._records.append(
             {
                 "name": msg["name"],

@@ -219,7 +219,7 @@ from numpyro.distributions.distribution import Distribution
 from numpyro.distributions.util import sum_rightmost
 from numpyro.util import not_jax_tracer
 
-from numpyro_tempering.handlers import JointlyTempered, Tempered
+from numpyro_tempering.handlers import JointlyTempered, JointMixture, Tempered
 from numpyro_tempering.special import log_beta
 
 __all__ = [
@@ -1467,6 +1467,13 @@ def _tempered_site(d: Tempered, t: Array) -> TemperedResult:
 
 @register_tempered(JointlyTempered)
 def _jointly_tempered(d: JointlyTempered, t: Array) -> TemperedResult:
+    """A jointly tempered site: its wrappers' rules (plate expansion, mask, ``to_event``)
+    around :class:`~numpyro_tempering.handlers.JointMixture`'s."""
+    return _dispatch(d.inner, t)
+
+
+@register_tempered(JointMixture)
+def _joint_mixture(d: JointMixture, t: Array) -> TemperedResult:
     r"""Joint tempering of a summed-out local: :math:`\int \sum_k (w_k p_k(x))^{1/T} dx =
     \sum_k w_k^{1/T} Z_k(T)`, in closed form for registered components."""
     mix = d.mixture

@@ -570,9 +570,10 @@ def _check_log_z_one(site_log_z: dict, temps: jax.Array, who: str) -> list[str]:
             f"{who}: at T = 1 the tempered normaliser log Z(1) = log int p(x) dx of site(s) "
             f"{found} (the element farthest from 0), where a normalised density has exactly 0 "
             "(C(1) = 1). The "
-            "site's tempering rule is inaccurate (e.g. a numerical fallback) or its density "
-            "is not normalised (e.g. a Delta with a log_density); every log C(T) built on it "
-            "would be off."
+            "site's tempering rule is inaccurate (e.g. a numerical fallback), its density "
+            "is not normalised (e.g. a Delta with a log_density), or the model given is "
+            "already tempered (a `temper` handler inside it makes the density p^(1/T0): "
+            "give the untempered model); every log C(T) built on it would be off."
         )
     return sorted(n for n, v in values.items() if np.isnan(v))
 

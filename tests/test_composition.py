@@ -126,6 +126,18 @@ def test_condition_fn_outside_counts_too():
     np.testing.assert_allclose(lp, dist.Gamma(A, B).log_prob(1.3) + lik / 2.0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("order", ["condition_inside", "condition_outside"])
+def test_a_none_value_in_condition_leaves_the_site_latent_and_untempered(order):
+    """NumPyro's condition ignores a None value: the site stays latent, so temper leaves it
+    alone in both orders (outside, it used to count as observed and was tempered)."""
+    fn = temper(handlers.condition(latent_y_model, {"y": None}), 2.0) if (
+        order == "condition_inside") else handlers.condition(temper(latent_y_model, 2.0),
+                                                             {"y": None})
+    lp = log_density(fn, (), {}, {"tau": 1.3, "y": Y})[0]
+    exact = dist.Gamma(A, B).log_prob(1.3) + dist.Normal(0.0, 1.0 / jnp.sqrt(1.3)).log_prob(Y).sum()
+    np.testing.assert_allclose(lp, exact, rtol=1e-6)
+
+
 def loc_model():
     mu = numpyro.sample("mu", dist.Normal(1.0, 2.0))
     numpyro.sample("x", dist.Normal(mu, 1.0), obs=0.5)

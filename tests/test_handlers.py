@@ -259,5 +259,73 @@ def test_joint_tempering_equals_tempering_the_explicit_local_then_summing(T):
         np.testing.assert_allclose(marginal, joint, rtol=1e-6)
 
 
+def wrapped_mixture_model(wrap, x=X):
+    shift = numpyro.sample("shift", dist.Normal(0.0, 1.0))
+    mix = dist.MixtureSameFamily(dist.Categorical(W), dist.Normal(LOCS + shift, 1.0))
+    if wrap == "to_event":
+        numpyro.sample("x", mix.expand([x.shape[0]]).to_event(1), obs=x)
+        return
+    with numpyro.plate("data", x.shape[0]):
+        if wrap == "mask":
+            numpyro.sample("x", mix.mask(MASK), obs=x)
+        else:  # a scalar observation broadcast over the plate: one copy per element
+            numpyro.sample("x", mix, obs=x[0])
+
+
+MASK = jnp.arange(X.shape[0]) % 2 == 0
+
+
+@pytest.mark.parametrize("wrap", ["mask", "to_event", "broadcast"])
+@pytest.mark.parametrize("T", [1.0, 2.5])
+def test_joint_tempering_sees_through_numpyros_wrappers(wrap, T):
+    """A mixture inside .mask(...), .to_event(...) or a plate that broadcasts a scalar
+    observation is tempered jointly, element by element, the wrappers acting as on the
+    untempered density (they used to be skipped: a mask or to_event fell back to the
+    marginal, and a broadcast observation counted once, wrong even at T = 1)."""
+    shift = 0.3
+    comp = dist.Normal(LOCS + shift, 1.0).log_prob(X[:, None]) + jnp.log(W)  # (N, K)
+    if wrap == "broadcast":
+        comp = jnp.broadcast_to(comp[:1], comp.shape)
+    per = jax.scipy.special.logsumexp(comp / T, -1)
+    if wrap == "mask":
+        per = jnp.where(MASK, per, 0.0)
+    prior = dist.Normal(0.0, 1.0).log_prob(shift)
+    got = logp(temper(wrapped_mixture_model, T, joint=True), {"shift": shift}, (wrap,))
+    np.testing.assert_allclose(got, prior + per.sum(), rtol=1e-5)
+    plain = logp(wrapped_mixture_model, {"shift": shift}, (wrap,))
+    np.testing.assert_allclose(logp(temper(wrapped_mixture_model, 1.0, joint=True),
+                                    {"shift": shift}, (wrap,)), plain, rtol=1e-6)
+
+
+def test_stacked_joint_handlers_multiply_and_a_marginal_inside_is_refused():
+    """temper(temper(m, 2, joint=True), 1.5, joint=True) is joint tempering at T = 3 (as
+    stacked handlers multiply); a joint handler around a marginal one cannot recover the
+    joint and refuses (it used to temper the inner tempered marginal)."""
+    shift = 0.3
+    stacked = temper(temper(mixture_model, 2.0, joint=True), 1.5, joint=True)
+    np.testing.assert_allclose(logp(stacked, {"shift": shift}),
+                               logp(temper(mixture_model, 3.0, joint=True), {"shift": shift}),
+                               rtol=1e-6)
+    with pytest.raises(ValueError, match="already tempers marginally"):
+        logp(temper(temper(mixture_model, 2.0), 1.5, joint=True), {"shift": shift})
+
+
+def test_joint_tempering_normaliser_follows_the_wrappers():
+    """log Z of a jointly tempered site: per element log sum_k w_k^(1/T) Z_k(T) (Normal
+    components: Z_k = (1 - 1/T)/2 log(2 pi) + log(T)/2), 0 where masked, summed by
+    to_event."""
+    from numpyro_tempering.handlers import JointlyTempered
+    from numpyro_tempering.partition import tempered_log_normalizer
+
+    T = 2.5
+    mix = dist.MixtureSameFamily(dist.Categorical(W), dist.Normal(LOCS, 1.0))
+    per = jax.scipy.special.logsumexp(
+        jnp.log(W) / T + (1 - 1 / T) / 2 * jnp.log(2 * jnp.pi) + jnp.log(T) / 2)
+    masked = tempered_log_normalizer(JointlyTempered(mix.expand([4]).mask(MASK[:4]), 1.0), T)
+    np.testing.assert_allclose(masked, jnp.where(MASK[:4], per, 0.0), rtol=1e-5)
+    event = tempered_log_normalizer(JointlyTempered(mix.expand([4]).to_event(1), 1.0), T)
+    np.testing.assert_allclose(event, 4 * per, rtol=1e-5)
+
+
 def test_joint_tempering_leaves_sites_without_components_to_scale():
     np.testing.assert_allclose(logp(temper(model, 3.0, joint=True)), by_hand(T=3.0), rtol=1e-6)

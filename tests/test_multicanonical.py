@@ -676,3 +676,23 @@ def test_condition_inside_or_outside_the_handler_gives_the_same_density():
     reference = log_density(multicanonical(model, LADDER), (X,), {}, {"mu": 0.4})[0]
     np.testing.assert_allclose(lp_in, reference, rtol=1e-6)
     np.testing.assert_allclose(lp_out, reference, rtol=1e-6)
+
+
+def test_an_already_tempered_model_is_refused():
+    """A model that a `temper` handler already tempers (p^(1/T0)) would meet the ladder's
+    log C(T_m) of the untempered model at temperatures T0 T_m: refused, naming the site
+    (it gave a finite, wrong M-ELBO)."""
+    from numpyro.infer.autoguide import AutoNormal
+
+    def model():
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=3.0)
+
+    ladder = Ladder([1.0, 4.0]).with_log_partition_values([0.0, 0.5], sizes=UNCHECKED)
+    guide = AutoNormal(model)
+    svi = SVI(model, guide, optax.adam(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(jax.random.PRNGKey(0)))
+    loss = MulticanonicalELBO(ladder)
+    assert np.isfinite(float(loss.loss(jax.random.PRNGKey(1), params, model, guide)))
+    with pytest.raises(ValueError, match="site 'x' is already tempered"):
+        loss.loss(jax.random.PRNGKey(1), params, temper(model, 2.0), guide)

@@ -93,8 +93,9 @@ import jax
 import jax.numpy as jnp
 
 from numpyro_tempering.engine import LogWeights
-from numpyro_tempering.handlers import Selection, temper
+from numpyro_tempering.handlers import Selection, already_tempered, temper
 from numpyro_tempering.ladder import Ladder
+from numpyro_tempering.multicanonical_model import already_tempered_message
 from numpyro_tempering.objectives.base import EngineELBO
 from numpyro_tempering.structure import (
     ModelSizes,
@@ -342,6 +343,9 @@ class MulticanonicalELBO(EngineELBO):
         if key is not None and key in self._sizes_cache:
             return self._sizes_cache[key]
         tr = structure_trace(self.tempered_model(model), args, kwargs)
+        for name, site in tr.items():
+            if site["type"] == "sample" and already_tempered(site["fn"]):
+                raise ValueError(already_tempered_message(name, "MulticanonicalELBO"))
         found = (sizes_from_trace(tr), model_params(tr))
         if key is not None:
             self._sizes_cache[key] = found
