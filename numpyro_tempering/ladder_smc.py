@@ -333,10 +333,10 @@ def build_ladder_runner(
             return jax.lax.scan(segment, c, 1.0 / temps)
 
         carry, (log_z, ess, stages, acc, element, lam) = jax.vmap(run)(carry)
-        prior_log_c, prior_ess = _prior_check(target, key_fixed, settings, temps)
+        prior_log_c, prior_ess, grows = _prior_check(target, key_fixed, settings, temps)
         out = SMCRun(
             log_z, ess, stages, acc, element if per_element else None, lam, prior_log_c,
-            prior_ess,
+            prior_ess, tail_grows=grows,
         )
         return out, carry
 

@@ -784,6 +784,12 @@ class LogPartitionEstimate(NamedTuple):
             the temperature is not flagged (a warning names it; a
             :class:`~numpyro_tempering.ladder.Ladder` refuses it: the multicanonical model
             is improper at that rung).
+        tail_grows: ``(M,)`` (``"smc"``, routes over the globals alone) where the tempered
+            integrand over the globals does not decay far from the prior's centre
+            (:func:`~numpyro_tempering.tempered_smc.tail_grows`): :math:`\log C(T)` is then
+            most likely :math:`+\infty` although every particle's value is finite (the
+            likelihood's tempered normalisers outgrow the prior, e.g. a precision whose prior
+            is too light at 0); flagged, with an infinite ``stderr``.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -814,14 +820,16 @@ class LogPartitionEstimate(NamedTuple):
     route: str | None = None
     quadrature_error: np.ndarray | None = None
     divergent: np.ndarray | None = None
+    tail_grows: np.ndarray | None = None
 
     def _missed_or_quadrature(self) -> np.ndarray | None:
-        if self.quadrature_error is None:
-            return self.missed_mass
-        from numpyro_tempering.local_quadrature import quadrature_flags
+        flags = [np.asarray(f, bool) for f in (self.missed_mass, self.tail_grows)
+                 if f is not None]
+        if self.quadrature_error is not None:
+            from numpyro_tempering.local_quadrature import quadrature_flags
 
-        quad = quadrature_flags(self.quadrature_error)
-        return quad if self.missed_mass is None else quad | np.asarray(self.missed_mass)
+            flags.append(quadrature_flags(self.quadrature_error))
+        return np.logical_or.reduce(flags) if flags else None
 
     @property
     def flagged(self) -> np.ndarray:
@@ -1140,6 +1148,16 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
             f"> SMC {_rounded(np.asarray(est.log_c)[missed][show], 3)}): a mode was missed; "
             "the standard error is raised to at least the shortfall"
         )
+    if est.tail_grows is not None and np.any(grows := flagged & np.asarray(est.tail_grows)):
+        from numpyro_tempering.tempered_smc import TAIL_DOUBLINGS
+
+        reasons.append(
+            f"at T = {_rounded(temps[grows][show], 4)} the tempered integrand over the globals "
+            f"still grows {2 ** (TAIL_DOUBLINGS - 1)} prior scales from the prior's centre: "
+            "log C(T) is most likely +inf (the likelihood's tempered normalisers outgrow the "
+            "prior there, e.g. a precision or scale whose prior is too light at its boundary) "
+            "and the finite estimate means nothing; the standard error is set to inf"
+        )
     if est.quadrature_error is not None:
         from numpyro_tempering.local_quadrature import QUAD_TOLERANCE, quadrature_flags
 
@@ -1301,6 +1319,10 @@ def _smc_estimate(
     ) & ~one
     # never a small standard error around a value that misses mass: at least the shortfall
     stderr = np.where(missed, np.maximum(stderr, prior_log_c - log_c), stderr)
+    grows = None
+    if out.tail_grows is not None:  # log C most likely +inf: no finite error bar means much
+        grows = np.asarray(out.tail_grows, bool) & ~one
+        stderr = np.where(grows, np.inf, stderr)
     quad_error = None
     if out.quad_error is not None:  # deterministic: added to the standard error
         quad_error = np.where(one, 0.0, np.mean(np.asarray(out.quad_error, np.float64), 0))
@@ -1334,6 +1356,7 @@ def _smc_estimate(
         missed_mass=missed,
         route="ladder" if ladder else local or "per-temperature",
         quadrature_error=quad_error,
+        tail_grows=grows,
     )
 
 

@@ -178,6 +178,7 @@ class SMCRun(NamedTuple):
     prior_log_c: jax.Array  # (M,): log of the mean of e^{L_T} over prior draws
     prior_ess: jax.Array  # (M,): Kish ESS of those draws' weights
     quad_error: jax.Array | None = None  # (R, M): measured quadrature error of log C-hat
+    tail_grows: jax.Array | None = None  # (M,): the integrand still grows far out (tail_check)
 
 
 def flag_smc(
@@ -642,11 +643,58 @@ def _smc(
     return out
 
 
+#: the tail check walks each global coordinate out to 2^(TAIL_DOUBLINGS - 1) robust prior
+#: scales from the prior draws' median, doubling the distance
+TAIL_DOUBLINGS = 10
+
+
+def _rays(draws: jax.Array) -> jax.Array:
+    """(2 D TAIL_DOUBLINGS, D): points on the rays from the prior draws' median along each
+    coordinate, both ways, at 1, 2, 4, ... robust prior scales (interquartile range / 1.349,
+    or 1 where that is 0 or not finite), the distance growing fastest along the last axis."""
+    q1, centre, q3 = jnp.percentile(draws, jnp.array([25.0, 50.0, 75.0]), axis=0)
+    scale = (q3 - q1) / 1.349
+    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+    dim = draws.shape[-1]
+    steps = 2.0 ** jnp.arange(TAIL_DOUBLINGS, dtype=draws.dtype)
+    signs = jnp.array([-1.0, 1.0], draws.dtype)
+    offsets = (signs[:, None, None, None] * jnp.eye(dim, dtype=draws.dtype)[None, :, None, :]
+               * steps[None, None, :, None] * scale)  # (2, D, K, D)
+    return (centre + offsets).reshape(-1, dim)
+
+
+def tail_grows(values: jax.Array) -> jax.Array:
+    r"""Whether the log integrand :math:`\log p(u) + L_T(u)` on the rays of :func:`_rays`
+    (``values``, ``(2 D TAIL_DOUBLINGS,)``) fails to decay along some ray: non-decreasing
+    over its three farthest finite points (the farthest can overflow a constraining
+    transform, e.g. :math:`e^{-164}` is 0 in float32: NaN and infinities are skipped). A
+    proper prior decays far out, so only the tempered likelihood's normalisers can make the
+    integrand grow: :math:`\log C(T) = +\infty` (e.g. a Gamma(10, 10) precision under 50
+    normal points at T >= 1.7, where :math:`\prod_n Z_n \propto \tau^{-N(1 - 1/T)/2}`
+    outgrows :math:`\tau^{9}` at 0), which no finite sample of particles shows.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> up = jnp.tile(jnp.arange(TAIL_DOUBLINGS, dtype=float), 2)  # grows one way
+        >>> bool(tail_grows(up)), bool(tail_grows(-up)), bool(tail_grows(up.at[-1].set(jnp.nan)))
+        (True, False, True)
+    """
+    rays = values.reshape(-1, TAIL_DOUBLINGS)
+    index = jnp.where(jnp.isfinite(rays), jnp.arange(TAIL_DOUBLINGS), -1)
+    last, _ = jax.lax.top_k(index, 3)  # the three farthest finite points, farthest first
+    enough = jnp.all(last >= 0, axis=1)
+    far = jnp.take_along_axis(rays, jnp.maximum(last, 0), axis=1)
+    rising = (far[:, 0] >= far[:, 1]) & (far[:, 1] >= far[:, 2])
+    return jnp.any(enough & rising)
+
+
 def _prior_check(
     target: _Target, key_fixed: jax.Array, settings: SMCSettings, temps: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The missed-mass check's inputs (:func:`missed_mass`), per temperature: the log of the
-    mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS.
+    mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS;
+    and whether the integrand still grows far out (:func:`tail_grows`, on the rays of
+    :func:`_rays`, evaluated with the draws).
     With one global coordinate, also the trapezoid rule for :math:`C(T)` on the grid of
     :func:`_grid_starts` (spacing 1/32 prior sd over +- 8 sds), and whichever of the two is
     larger, with its points' Kish ESS: a mode no prior draw reaches is seen by the grid
@@ -658,24 +706,27 @@ def _prior_check(
     key_prior = random.split(random.fold_in(key_fixed, 1))[1]
     draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
     on_grid = draws.shape[-1] == 1
+    rays = _rays(draws)
+    ray_prior = jax.vmap(target.log_prior)(rays)
 
     def kish(log_w: jax.Array) -> jax.Array:
         w = jnp.exp(log_w - jnp.max(log_w))
         return jnp.sum(w) ** 2 / jnp.sum(w**2)
 
     def prior_check(t: jax.Array) -> tuple:
-        log_w = jax.vmap(lambda u: target.pieces(u, t)[0])(draws)
+        both = jax.vmap(lambda u: target.pieces(u, t)[0])(jnp.concatenate([draws, rays]))
+        log_w, grows = both[: draws.shape[0]], tail_grows(ray_prior + both[draws.shape[0]:])
         log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
         log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
         if not on_grid:
-            return log_mean, kish(log_w)
+            return log_mean, kish(log_w), grows
         grid = _grid(draws)
         f = _on_grid(target, t, grid)
         ends = jnp.zeros(GRID_POINTS, f.dtype).at[jnp.array([0, -1])].set(math.log(2.0))
         log_trap = logsumexp(f - ends) + jnp.log(grid[1] - grid[0])
         use_grid = log_trap > log_mean
         return (jnp.where(use_grid, log_trap, log_mean),
-                jnp.where(use_grid, kish(f), kish(log_w)))
+                jnp.where(use_grid, kish(f), kish(log_w)), grows)
 
     return jax.lax.map(prior_check, temps)
 
@@ -763,6 +814,7 @@ def build_runner(
             return _smc(target, settings, k, t, ref, per_element)
 
         out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
-        return SMCRun(*out, *_prior_check(target, key_fixed, settings, temps))
+        prior_log_c, prior_ess, grows = _prior_check(target, key_fixed, settings, temps)
+        return SMCRun(*out, prior_log_c, prior_ess, tail_grows=grows)
 
     return run

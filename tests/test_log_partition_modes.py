@@ -275,3 +275,30 @@ def test_the_ladder_route_flags_the_narrow_mode_it_cannot_reach():
     wrong = np.abs(log_c - exact) > 0.1
     assert wrong[1:].all() and est.flagged[1:].all() and np.all(est.missed_mass[1:])
     assert np.all(np.abs(log_c - exact)[1:] <= se[1:] + 1.0)  # the error bar reaches it
+
+
+def test_a_divergent_integral_over_the_globals_is_flagged():
+    """tau ~ Gamma(10, 10), x_n ~ N(0, tau^-1/2), N = 50: log C(T) = N/2 log T + k/2 log 2 pi
+    + log E[tau^(-k/2)], k = N (1 - 1/T), finite only while k/2 < 10 (T < 5/3): the tempered
+    normalisers grow like tau^(-k/2) at 0, faster than the prior vanishes. At T = 2 the SMC
+    returned a finite 265.6 +- 0.06, unflagged (found by a probe); now the tail check sees
+    the integrand still growing far out: flagged, with an infinite standard error, and T =
+    1.5 is left alone and right."""
+    from scipy.special import gammaln
+
+    def model(x):
+        tau = numpyro.sample("tau", dist.Gamma(10.0, 10.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(0.0, 1.0 / jnp.sqrt(tau)), obs=x)
+
+    num = 50
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = log_partition(KEY, model, jnp.array([1.5, 2.0]), jnp.zeros(num), plate="data")
+    half_k = num * (1 - 1 / 1.5) / 2
+    exact = (num / 2 * np.log(1.5) + half_k * np.log(2 * np.pi) + half_k * np.log(10.0)
+             + gammaln(10.0 - half_k) - gammaln(10.0))
+    assert not est.flagged[0] and not est.tail_grows[0]
+    assert abs(float(est.log_c[0]) - exact) < 4 * float(est.stderr[0]) + 0.02
+    assert est.flagged[1] and est.tail_grows[1] and np.isinf(float(est.stderr[1]))
+    assert any("most likely +inf" in str(w.message) for w in record)
