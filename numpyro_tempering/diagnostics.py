@@ -46,7 +46,8 @@ Computation
   :class:`~numpyro.infer.autoguide.AutoDiagonalNormal`,
   :class:`~numpyro.infer.autoguide.AutoMultivariateNormal`,
   :class:`~numpyro.infer.autoguide.AutoLowRankMultivariateNormal`,
-  :class:`~numpyro.infer.autoguide.AutoLaplaceApproximation`, the simplex guides of
+  :class:`~numpyro.infer.autoguide.AutoLaplaceApproximation` (its Laplace posterior,
+  ``guide.get_posterior(params)``; the guide itself samples its MAP point), the simplex guides of
   :mod:`numpyro_tempering.guides` except the overcomplete one, and
   :class:`~numpyro.infer.autoguide.AutoGuideList` of these; anything else is refused with
   an error naming the site). Replicate r at size S uses draws ``r*S .. (r+1)*S`` of the
@@ -418,6 +419,23 @@ def _point_mass(fn: Any) -> bool:
         if base is None:
             return False
         fn = base
+
+
+def _laplace_as_normal(model: Callable, guide: Any, params: dict) -> tuple[Any, dict]:
+    """An ``AutoLaplaceApproximation`` samples its MAP point (a point mass); its density is
+    the Laplace posterior ``guide.get_posterior(params)``, a multivariate normal over the
+    same unconstrained latent: the equivalent ``AutoMultivariateNormal`` and its parameters.
+    Any other guide is returned as it is."""
+    from numpyro.infer.autoguide import AutoLaplaceApproximation, AutoMultivariateNormal
+
+    if not isinstance(guide, AutoLaplaceApproximation):
+        return guide, params
+    posterior = guide.get_posterior(params)
+    prefix = guide.prefix
+    normal = AutoMultivariateNormal(model, prefix=prefix)
+    rest = {k: v for k, v in params.items() if not k.startswith(f"{prefix}_")}
+    return normal, {**rest, f"{prefix}_loc": posterior.loc,
+                    f"{prefix}_scale_tril": posterior.scale_tril}
 
 
 def _refuse_point_mass(guide: Any) -> None:
@@ -1303,6 +1321,7 @@ def evidence_bounds(
     if not isinstance(params, Mapping):
         raise TypeError(f"`params` must be a dict of parameters, got {type(params).__name__}.")
     params = dict(params)
+    guide, params = _laplace_as_normal(model, guide, params)
 
     k_setup, k_q, k_prior, k_klpq, k_nuts = random.split(rng_key, 5)
     model_tr = _model_trace(model, params, args, kwargs, k_setup)

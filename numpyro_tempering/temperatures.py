@@ -398,9 +398,10 @@ class TemperatureRecord:
         try:
             step, size = int(self.step), int(self.probs.shape[0])
             last = min(step, size) - 1
+            at = f" (at step {last + 1}: the record is full)" if step > size else ""
             now = (
                 f", E[T] = {float(self.mean_temperature[last]):.4g}"
-                f", E[1/T] = {float(self.mean_inverse_temperature[last]):.4g}"
+                f", E[1/T] = {float(self.mean_inverse_temperature[last]):.4g}{at}"
                 if last >= 0
                 else ""
             )
@@ -495,12 +496,24 @@ def _find_record(result: Any, name: str | None) -> TemperatureRecord:
     return next(iter(records.values()))
 
 
+def _stale_message(steps: int, rows: int) -> str:
+    return (
+        f"the TemperatureRecord holds q(y) for the first {rows} of the {steps} SVI steps "
+        f"(record_temperatures(..., num_steps={rows})): its last row is step {rows}'s, not "
+        "the final one. Record with num_steps >= the number of SVI steps."
+    )
+
+
 def temperature_history(result: Any, *, name: str | None = None) -> TemperatureHistory:
     """The recorded trajectory from an ``SVIRunResult``, ``SVIState`` or mutable-state dict,
     trimmed to the steps taken; the last row is the final :math:`q(y)`. ``name``: which
-    record, if the state holds several."""
+    record, if the state holds several. A record shorter than the run (SVI took more steps
+    than ``record_temperatures(..., num_steps)``) holds the first ``num_steps`` only: a
+    warning says so (its last row is then not the final :math:`q(y)`)."""
     rec = _find_record(result, name)
     n = min(int(rec.step), rec.probs.shape[0])
+    if int(rec.step) > n:
+        warnings.warn(_stale_message(int(rec.step), n), UserWarning, stacklevel=2)
     return TemperatureHistory(
         rec.probs[:n], rec.mean_temperature[:n], rec.mean_inverse_temperature[:n]
     )
@@ -509,8 +522,12 @@ def temperature_history(result: Any, *, name: str | None = None) -> TemperatureH
 def mean_inverse_temperature(result: Any, *, name: str | None = None) -> float:
     r"""The current :math:`\mathbb{E}_q[1/T]` (the last recorded step) of an SVI run.
 
-    NaN if no step was recorded yet.
+    NaN if no step was recorded yet; a ``ValueError`` if SVI ran more steps than the record
+    holds (the last row is then an earlier step's, not the current value).
     """
+    rec = _find_record(result, name)
+    if int(rec.step) > rec.probs.shape[0]:
+        raise ValueError(_stale_message(int(rec.step), rec.probs.shape[0]))
     hist = temperature_history(result, name=name)
     values = np.asarray(hist.mean_inverse_temperature)
     return float(values[-1]) if values.size else float("nan")

@@ -148,3 +148,24 @@ def test_errors():
         robbins_monro(1.0, 0.4)
     with pytest.raises(ValueError, match="record_temperatures"):
         MulticanonicalELBO(LADDER, step_size=0.1).loss(KEY, PARAMS, model, guide, X)
+
+
+def test_a_record_shorter_than_the_run_says_so():
+    """SVI ran 12 steps into a record of 8 rows: the history warns that its last row is step
+    8's, and mean_inverse_temperature (the *current* value) refuses instead of returning
+    step 8's as if it were the last (it did, silently)."""
+    from numpyro_tempering import mean_inverse_temperature
+
+    rec = record(np.log(WEIGHTS))
+    rows = jnp.arange(8.0)
+    full = TemperatureRecord(jnp.asarray(12, jnp.int32), rec.probs, rows, 1.0 / (1.0 + rows),
+                             rec.log_weights)
+    with pytest.warns(UserWarning, match="first 8 of the 12 SVI steps"):
+        hist = temperature_history({"_temperature_record": full})
+    assert hist.probs.shape[0] == 8
+    with pytest.raises(ValueError, match="first 8 of the 12 SVI steps"):
+        mean_inverse_temperature({"_temperature_record": full})
+    assert "the record is full" in repr(full)
+    exact = TemperatureRecord(jnp.asarray(8, jnp.int32), rec.probs, rows, 1.0 / (1.0 + rows),
+                              rec.log_weights)
+    assert mean_inverse_temperature({"_temperature_record": exact}) == pytest.approx(1 / 8)

@@ -569,3 +569,23 @@ def test_warn_training_flags_inside_a_jitted_loss():
         jax.effects_barrier()
     messages = [str(w.message) for w in caught if issubclass(w.category, BoundWarning)]
     assert any("CUBO estimate 0.0000 is below" in m for m in messages)
+
+
+def test_a_laplace_approximation_is_its_gaussian():
+    """AutoLaplaceApproximation samples its MAP point (a point mass): the bounds use its
+    Laplace posterior (guide.get_posterior, a multivariate normal over the same latent), as
+    docs/diagnostics.md says; on the normal-normal model it is the exact posterior, so every
+    bound, the prior-sampled CUBO included, is log Z (it was refused: "a point mass")."""
+    import optax
+    from numpyro.infer import SVI, Trace_ELBO
+    from numpyro.infer.autoguide import AutoLaplaceApproximation
+
+    guide = AutoLaplaceApproximation(nn_model)
+    svi = SVI(nn_model, guide, optax.adam(0.05), Trace_ELBO())
+    params = svi.run(KEY, 600, X, progress_bar=False).params
+    report = evidence_bounds(KEY, nn_model, guide, params, X, num_samples=(100,),
+                             num_replicates=4, bounds=("elbo", "iwae", "cubo", "cubo_prior"),
+                             progress_bar=False)
+    for b in ("elbo", "iwae", "cubo"):
+        np.testing.assert_allclose(report.estimates[b], LOG_Z, atol=1e-3, err_msg=b)
+    assert abs(float(np.median(report.estimates["cubo_prior"])) - LOG_Z) < 0.2
