@@ -1078,9 +1078,12 @@ def _flags(report: EvidenceReport, nonfinite_kinds: dict) -> list[Flag]:
                         "khat_cubo_mean",
                         "cubo",
                         sizes[last],
-                        f"{_label('cubo', n)} not estimable: {where} >= 1/n = {1 / n:.2f}, so "
-                        f"w^{n:g} has an infinite mean under q: the CUBO being estimated is "
-                        "+inf, and every finite-S estimate is too low and keeps growing with S.",
+                        f"{_label('cubo', n)} not estimable: {where} >= 1/n = {1 / n:.2f}: the "
+                        f"weights' tail looks heavy enough for w^{n:g} to have an infinite mean "
+                        "under q, and then the CUBO being estimated is +inf and every finite-S "
+                        "estimate is too low and keeps growing with S (k-hat is an estimate "
+                        "too: lognormal weights with a finite CUBO can show it above 1/n); "
+                        "either way this estimate cannot be trusted.",
                     )
                 )
             elif k >= 1.0 / (2 * n):
