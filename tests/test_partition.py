@@ -1185,19 +1185,48 @@ def test_quadrature_fallback_gradients_stay_finite_at_large_scales():
 
 
 def test_float32_binomial_with_many_trials_keeps_its_accuracy():
-    """The terms' log binom(n, k) come from log_beta, not a difference of three log-gammas
-    of size n log n: in float32 log Z of Binomial(1e5, 0.4) at T = 1 was 0.021 (exact: 0);
-    now within 5e-3 (the rest is the rounding of k log p ~ 4e4), and within 2e-4 for
-    n = 2000-3000 (it was 1e-4 to 3.5e-3 per element, times N in a model)."""
-    for n, p, tol in ((1e5, 0.4, 5e-3), (3000.0, 0.3, 2e-4), (2000.0, 0.7, 2e-4)):
+    """The terms are Loader's saddle-point form of the pmf (special.binomial_log_pmf), not
+    log binom(n, k) + k log p + (n - k) log q, whose terms of size n cancel: in float32 log Z
+    of Binomial(1e5, 0.4) at T = 1 was 0.021 (exact: 0), and 1e-4 to 3.5e-3 per element at
+    n = 2000-3000 (times N in a model); now within 1e-5 everywhere here."""
+    for n, p in ((1e5, 0.4), (1e5, 1e-4), (3000.0, 0.3), (2000.0, 0.7)):
         k = np.arange(int(n) + 1)
-        for T in (1.0, 1.5):
-            ref = special.logsumexp(stats.binom.logpmf(k, int(n), p) / T)
+        p32 = float(np.float32(p))  # the probability float32 can hold
+        for T in (1.0, 1.5, 0.2):
+            ref = special.logsumexp(stats.binom.logpmf(k, int(n), p32) / T)
             with jax.enable_x64(False):
                 got = tempered_log_normalizer(npd.BinomialProbs(jnp.float32(p), jnp.float32(n)),
                                               jnp.float32(T))
             assert got.dtype == jnp.float32
-            assert abs(float(got) - ref) < tol, (n, p, T, float(got), ref)
+            assert abs(float(got) - ref) < 1e-5 * max(1.0, abs(ref)), (n, p, T, float(got), ref)
+
+
+def test_binomial_log_pmf_is_accurate_at_large_n():
+    """special.binomial_log_pmf against 50-digit mpmath (float64: 1e-11 where scipy's own
+    errs by 2e-9 at n = 1e6) and the edges (k = 0, n, outside 0..n, p = 0 and 1)."""
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 50
+    from numpyro_tempering.special import binomial_log_pmf
+
+    def exact(k, n, p):
+        return float(mp.log(mp.binomial(n, k)) + k * mp.log(p) + (n - k) * mp.log(1 - p))
+
+    for n, p in ((10**6, mp.mpf(2) / 5), (10**5, mp.mpf(1) / 10**4), (40, mp.mpf(1) / 3)):
+        mode = int(n * p)
+        for k in (mode - 3 * int(mp.sqrt(n * p)) - 1, mode, mode + 7, 1, n - 1):
+            with x64():
+                got = float(binomial_log_pmf(jnp.float64(k), jnp.float64(n),
+                                             jnp.log(jnp.float64(p)), jnp.log1p(-jnp.float64(p))))
+            ref = exact(k, n, p)
+            assert abs(got - ref) < 1e-11 * max(1.0, abs(ref)), (n, k, got, ref)
+    with x64():
+        f = jax.jit(binomial_log_pmf)
+        n = jnp.float64(5.0)
+        out = np.asarray(f(jnp.array([0.0, 5.0, -1.0, 6.0, 2.0]), n, jnp.log(0.3), jnp.log(0.7)))
+        np.testing.assert_allclose(out[:2], [5 * np.log(0.7), 5 * np.log(0.3)], rtol=1e-14)
+        assert np.all(np.isneginf(out[2:4]))
+        edge = np.asarray(f(jnp.array([0.0, 2.0, 5.0]), n, jnp.float64(-jnp.inf), 0.0))
+        assert edge[0] == 0.0 and np.isneginf(edge[1]) and np.isneginf(edge[2])
 
 
 def test_a_narrow_component_on_a_wide_one_errs_below_the_self_checks_tolerance():
