@@ -141,6 +141,9 @@ __all__ = [
 
 #: Key set to ``True`` in ``msg["infer"]`` for every site a ``temper`` handler tempers.
 TEMPERED = "tempered"
+#: Key set to ``True`` in ``msg["infer"]`` of the sites a ``multicanonical`` handler absorbed
+#: and of its factor (``temper`` refuses them: the ladder's temperatures are their tempering).
+MULTICANONICAL = "multicanonical"
 #: Name of the mutable site holding a schedule's step counter.
 DEFAULT_CLOCK = "_temper_clock"
 
@@ -818,6 +821,14 @@ class temper(Messenger):
         self._seen.add(name)
         if not self.selection.selects(msg, role == OBSERVED, name):
             return
+        if (msg.get("infer") or {}).get(MULTICANONICAL) and not _is_one(self._inv_temperature):
+            raise ValueError(
+                f"temper: site '{name}' belongs to a multicanonical model (its factor or a "
+                "site it absorbed) outside which `temper` was applied: the ladder's "
+                "temperatures are its tempering, and tempering it again would scale the "
+                "multicanonical density. Apply `temper` to the model inside `multicanonical`, "
+                "or use the ladder alone."
+            )
         beta = self._inv_temperature
         self._check_shape(msg, beta)
         if not msg.get("is_observed") and self.selection.tempers_latent(name):

@@ -111,12 +111,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpyro
+import numpyro.distributions as dist
 from numpyro.handlers import seed, substitute, trace
 from numpyro.infer.util import log_likelihood
 from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import (
+    MULTICANONICAL,
     TEMPERED,
     JointlyTempered,
     Selection,
@@ -138,9 +140,6 @@ from numpyro_tempering.temperatures import (
 )
 
 __all__ = ["multicanonical", "MULTICANONICAL"]
-
-#: Key set to ``True`` in ``msg["infer"]`` of the sites a ``multicanonical`` handler absorbed.
-MULTICANONICAL = "multicanonical"
 
 
 def log_probs_by_temperature(fn: Any, value: Any, inv_t: jax.Array) -> jax.Array:
@@ -312,7 +311,10 @@ class multicanonical(Messenger):
             log_c_n = element_log_partition(self.ladder, size, indices, dtype)  # (B, M)
             posterior = temperature_posterior(elements.T / scale, self.ladder, log_c=log_c_n)
             total = scale * jnp.sum(posterior.log_marginal)
-        numpyro.factor(self.name, total)
+        # numpyro.factor's site, marked: an outer `temper` must not temper it
+        unit = dist.Unit(total)
+        numpyro.sample(self.name, unit, obs=unit.sample(None),
+                       infer={"is_auxiliary": True, MULTICANONICAL: True})
         numpyro.deterministic(self.name + "_probs", posterior.probs)
 
     def temperature_posterior(

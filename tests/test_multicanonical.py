@@ -696,3 +696,21 @@ def test_an_already_tempered_model_is_refused():
     assert np.isfinite(float(loss.loss(jax.random.PRNGKey(1), params, model, guide)))
     with pytest.raises(ValueError, match="site 'x' is already tempered"):
         loss.loss(jax.random.PRNGKey(1), params, temper(model, 2.0), guide)
+
+
+def test_temper_outside_a_multicanonical_model_is_refused():
+    """temper(multicanonical(model, ladder), T) would temper the multicanonical factor (an
+    observed site): it returned the M-ELBO density scaled by 1/T, silently. Refused, naming
+    the site; T = 1 changes nothing and passes."""
+    def model():
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.sample("x", dist.Normal(mu, 1.0), obs=3.0)
+
+    from numpyro_tempering import multicanonical
+
+    mc = multicanonical(model, Ladder([1.0, 4.0]).with_log_partition_values(
+        [0.0, 0.5], sizes=UNCHECKED))
+    plain = log_density(mc, (), {}, {"mu": 0.5})[0]
+    np.testing.assert_allclose(log_density(temper(mc, 1.0), (), {}, {"mu": 0.5})[0], plain)
+    with pytest.raises(ValueError, match="belongs to a multicanonical model"):
+        log_density(temper(mc, 2.0), (), {}, {"mu": 0.5})
