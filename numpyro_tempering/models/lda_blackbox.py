@@ -350,9 +350,10 @@ def local_gamma(
     """
     lam = jax.lax.stop_gradient(jnp.asarray(lam))
     counts = jnp.asarray(counts, lam.dtype)
-    ew = jnp.exp(lda_svi._gather(lda_svi.expected_log_topics(lam), jnp.asarray(ids)))
+    elog = lda_svi._gather(lda_svi.expected_log_topics(lam), jnp.asarray(ids))
+    ew = jnp.exp(elog - jnp.max(elog, axis=1, keepdims=True))  # scaled as lda_svi's
     num_docs = counts.shape[0]
-    sweep = lda_svi._fixed_sweep(jnp.asarray(alpha, lam.dtype), jnp.finfo(lam.dtype).eps)
+    sweep = lda_svi._fixed_sweep(jnp.asarray(alpha, lam.dtype), jnp.finfo(lam.dtype).tiny)
     ones, docs = jnp.ones((num_docs,), lam.dtype), jnp.arange(num_docs)  # T = 1, a row each
     return jax.lax.fori_loop(0, int(num_iter),
                              lambda _, g: sweep(g, ones, (ew, counts), docs)[0],

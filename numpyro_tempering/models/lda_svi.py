@@ -31,9 +31,14 @@ the algorithm of scikit-learn's ``LatentDirichletAllocation(learning_method="onl
 the same random initialisation law (:math:`\mathrm{Gamma}(100, 0.01)` for
 :math:`\lambda` and each minibatch's :math:`\gamma`), the same per-document fixed-point
 iteration and stopping rule (at most ``max_doc_iter`` sweeps, until the mean absolute change of
-:math:`\gamma_d` is below ``tol``), the same ``eps`` in the normaliser, the same
-:math:`D/|B|` with the actual size of a short last batch. So a comparison with it isolates
-tempering.
+:math:`\gamma_d` is below ``tol``), the same :math:`D/|B|` with the actual size of a short
+last batch. So a comparison with it isolates tempering. One difference: scikit-learn adds
+float64's ``eps`` to the normaliser of :math:`\phi`; here each word's factors
+:math:`e^{\mathbb E\log\beta_{kv}/T}` and each document's :math:`e^{\mathbb
+E\log\theta_k/T}` are divided by their largest (which leaves :math:`\phi` unchanged) and
+the normaliser is only guarded against 0/0: in float32 an absolute ``eps`` swallowed the
+statistics of words rare under every topic, and at T < 1 those of every word (T = 0.2: the
+fit never moved from its initialisation).
 
 Temperatures
 ------------
@@ -291,8 +296,14 @@ class Multicanonical(NamedTuple):
         temps = np.asarray(self.temperatures, np.float64)
         if int(self.anchors) != self.anchors or self.anchors < 1:
             raise ValueError(f"`anchors` must be a positive integer, got {self.anchors!r}.")
-        if temps.ndim != 1 or temps.size == 0 or temps[0] != 1.0:
-            raise ValueError("`temperatures` must be a 1-D ladder starting at T = 1.")
+        if (temps.ndim != 1 or temps.size == 0 or temps[0] != 1.0
+                or not np.all(np.isfinite(temps)) or np.any(np.diff(temps) <= 0)):
+            raise ValueError(f"`temperatures` must be a 1-D ladder starting at T = 1 and "
+                             f"strictly increasing (finite), got {self.temperatures!r}.")
+        log_w = np.asarray(self.log_weights, np.float64)
+        if log_w.shape != temps.shape or np.any(np.isnan(log_w)) or np.any(log_w == np.inf):
+            raise ValueError(f"`log_weights` must be the {temps.size} log prior weights of the "
+                             f"rungs (finite or -inf), got shape {log_w.shape}.")
         idx = np.unique(np.round(np.linspace(0, temps.size - 1, int(self.anchors))).astype(int))
         return temps[idx]
 
@@ -550,13 +561,19 @@ def _fixed_point(sweep, carry, doc_data, row_data, row_doc, max_iter: int, tol: 
     return full, iters
 
 
+def _scaled_exp(inv_t, elog_theta):
+    """exp(E[log theta_dk] / T_d) over its largest entry per document (B, K): the local
+    step's ratios are unchanged and the largest factor is 1 (no underflow at T < 1)."""
+    return jnp.exp(inv_t[:, None] * (elog_theta - jnp.max(elog_theta, axis=1, keepdims=True)))
+
+
 def _fixed_sweep(alpha, eps):
     """One tempered sweep at fixed per-document 1/T (supplement eq. 9), scikit-learn's
     arithmetic: ``phi`` is never formed, only its normaliser."""
 
     def sweep(gamma, inv_t, rows, row_doc):
-        ew, cnt = rows  # (R, K, W) exp(E[log beta] / T_d) (:func:`_gather`), (R, W)
-        et = jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma))  # (B, K)
+        ew, cnt = rows  # (R, K, W) exp(E[log beta] / T_d), scaled (:func:`_tempered_fit`), (R, W)
+        et = _scaled_exp(inv_t, expected_log_dirichlet(gamma))  # (B, K)
         norm = jnp.einsum("rkw,rk->rw", ew, _per_row(et, row_doc)) + eps
         per_row = jnp.einsum("rkw,rw->rk", ew, cnt / norm)
         new = alpha + inv_t[:, None] * et * jax.ops.segment_sum(per_row, row_doc, et.shape[0])
@@ -570,12 +587,17 @@ def _tempered_fit(cfg, elog_w, counts, gamma0, inv_t, row_doc):
     arithmetic. Returns gamma, the rows' n phi / T statistics and the sweeps."""
     dtype = elog_w.dtype
     inv_t_rows = _per_row(inv_t, row_doc)
-    ew = jnp.exp(inv_t_rows[:, None, None] * elog_w)  # exp(E[log beta] / T_d): (R, K, W)
-    eps = jnp.finfo(dtype).eps
+    # exp(E[log beta] / T_d) (R, K, W), each word's column over the topics divided by its
+    # largest entry, as exp(E[log theta] / T_d) over its largest (_scaled_exp): phi is
+    # unchanged, and the normaliser's eps only guards 0 / 0. Unscaled, at T < 1 (or for a
+    # word rare under every topic) the whole normaliser fell below float32's eps, which then
+    # swallowed the statistics (T = 0.2: none of a document's words counted)
+    ew = jnp.exp(inv_t_rows[:, None, None] * (elog_w - jnp.max(elog_w, axis=1, keepdims=True)))
+    eps = jnp.finfo(dtype).tiny
     alpha = jnp.asarray(cfg.alpha, dtype)
     gamma, iters = _fixed_point(_fixed_sweep(alpha, eps), gamma0, inv_t, (ew, counts),
                                 row_doc, cfg.max_doc_iter, cfg.tol, cfg.stage_shrink)
-    et = _per_row(jnp.exp(inv_t[:, None] * expected_log_dirichlet(gamma)), row_doc)
+    et = _per_row(_scaled_exp(inv_t, expected_log_dirichlet(gamma)), row_doc)
     norm = jnp.einsum("rkw,rk->rw", ew, et) + eps
     sstats = inv_t_rows[:, None, None] * (counts / norm)[:, None, :] * ew * et[:, :, None]
     return gamma, sstats, iters
