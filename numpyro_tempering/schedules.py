@@ -72,6 +72,9 @@ def check_temperature(temperature: Any, name: str = "temperature") -> None:
 
 def _check_temperature(value: float, name: str, allow_below_one: bool) -> float:
     check_temperature(value, name)
+    if jnp.ndim(value) != 0:
+        raise ValueError(f"`{name}` must be a scalar temperature, got shape {jnp.shape(value)} "
+                         "(per-site temperatures: temper(model, T) with an array T).")
     value = float(value)
     if value < 1 and not allow_below_one:
         raise ValueError(
@@ -82,7 +85,7 @@ def _check_temperature(value: float, name: str, allow_below_one: bool) -> float:
 
 
 def _check_steps(num_steps: int) -> int:
-    if int(num_steps) != num_steps or num_steps < 1:
+    if isinstance(num_steps, bool) or int(num_steps) != num_steps or num_steps < 1:
         raise ValueError(f"`num_steps` must be a positive integer, got {num_steps!r}.")
     return int(num_steps)
 
@@ -125,6 +128,16 @@ def linear(
     This is the schedule of the paper's experiments (Mandt et al. 2016,
     section 4: FMM "started at T = 10 and ended in T = 1"; LDA with the temperature updated
     every 1000 iterations, ``every=1000``).
+
+    ``T(step)`` reaches ``end`` at ``step = num_steps`` (optax's convention). ``SVI.run(key,
+    n)`` takes updates ``0 .. n - 1``, so with ``num_steps = n`` its last update is still
+    above ``end``: anneal over fewer steps than the run (e.g. half of them, as the paper's
+    FMM does) so that the fit ends at ``end``.
+
+    Example:
+        >>> sched = linear(10.0, 1.0, num_steps=100)
+        >>> float(sched(0)), round(float(sched(99)), 2), float(sched(100)), float(sched(10**6))
+        (10.0, 1.09, 1.0, 1.0)
     """
     start = _check_temperature(start, "start", allow_below_one)
     end = _check_temperature(end, "end", allow_below_one)
@@ -183,6 +196,9 @@ def from_ladder(
     if weights.shape != temps.shape or np.any(weights < 0) or not np.isclose(weights.sum(), 1):
         raise ValueError("`weights` must be non-negative, sum to 1 and match `temperatures`.")
     start = float(np.sum(weights * temps))
+    if not start >= 1.0:
+        raise ValueError(f"the ladder's mean temperature is {start:.4g} < 1: `temperatures` "
+                         "(weighted by `weights`) must average at least 1, the schedule's end.")
     return linear(start, 1.0, num_steps, every=every)
 
 

@@ -329,3 +329,15 @@ def test_joint_tempering_normaliser_follows_the_wrappers():
 
 def test_joint_tempering_leaves_sites_without_components_to_scale():
     np.testing.assert_allclose(logp(temper(model, 3.0, joint=True)), by_hand(T=3.0), rtol=1e-6)
+
+
+def test_schedule_arguments_are_checked_with_the_argument_named():
+    """An array temperature for a schedule, a ladder averaging below 1 (from_ladder named
+    `start` and `allow_below_one`, which it does not take) and num_steps=True (a one-step
+    schedule) were accepted or unclear."""
+    with pytest.raises(ValueError, match="`temperature` must be a scalar"):
+        schedules.constant(jnp.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="mean temperature is 0.75 < 1"):
+        schedules.from_ladder([0.5, 1.0], 10)
+    with pytest.raises(ValueError, match="`num_steps` must be a positive integer"):
+        schedules.linear(10.0, 1.0, num_steps=True)
