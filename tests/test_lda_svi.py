@@ -504,3 +504,23 @@ def test_a_multicanonical_ladder_must_rise_from_one():
     mc = lda_svi.Multicanonical(np.array([1.0, 2.0, 4.0]), np.zeros(2))
     with pytest.raises(ValueError, match="`log_weights` must be the 3"):
         lda_svi.fit(data, 2, temperature=mc, batch_size=10)
+
+
+def test_a_hand_built_corpus_with_zero_counts_between_words_loses_none():
+    """Rows were cut from each document's first `distinct` entries, so a zero count between
+    words dropped the last word (a hand-built Corpus; the package's builders left-align):
+    the fit equals the left-aligned corpus's."""
+    data, _ = corpora.synthetic(0, 12, 10, 2, 15)
+    ids, counts = data.ids.copy(), data.counts.copy()
+    # move every document's first word one slot right, leaving a zero count before it
+    gap_ids = np.concatenate([ids[:, :1] * 0, ids], axis=1)
+    gap_counts = np.concatenate([np.zeros_like(counts[:, :1]), counts], axis=1)
+    gap_ids[:, [0, 1]], gap_counts[:, [0, 1]] = gap_ids[:, [1, 0]], gap_counts[:, [1, 0]]
+    gapped = data._replace(ids=gap_ids, counts=gap_counts)
+    a = lda_svi.fit(data, 2, passes=1, batch_size=6, row_width=1, seed=3).lam
+    b = lda_svi.fit(gapped, 2, passes=1, batch_size=6, row_width=1, seed=3).lam
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    observed, held = corpora.completion_split(data, seed=0)
+    empty = held._replace(counts=np.zeros_like(held.counts))
+    with pytest.raises(ValueError, match="holds no words"):
+        lda_svi.heldout_log_likelihood(a, observed, empty)

@@ -108,7 +108,11 @@ def _inverse_temperatures(temperatures) -> np.ndarray:
 
 
 def _concentrations(alpha, num_topics: int) -> np.ndarray:
-    a = np.broadcast_to(np.asarray(alpha, np.float64), (num_topics,))
+    a = np.asarray(alpha, np.float64)
+    if a.ndim > 1 or (a.ndim == 1 and a.size not in (1, num_topics)):
+        raise ValueError(f"`alpha` must be a number or K={num_topics} concentrations, got "
+                         f"shape {a.shape}.")
+    a = np.broadcast_to(a, (num_topics,))
     if not np.all(np.isfinite(a) & (a > 0)):
         raise ValueError(f"`alpha` must be finite concentrations > 0, got {alpha!r}.")
     return np.array(a)

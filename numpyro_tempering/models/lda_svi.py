@@ -906,12 +906,18 @@ def _corpus_step(cfg, state, all_ids, all_counts, all_log_c, batch, rows, row_do
 def _split_rows(corpus: Corpus, width: int):
     """The corpus as rows of ``width`` (index, count) pairs: (R, W) ids and counts, and the
     first row and number of rows of each document (documents keep their order)."""
-    distinct = (corpus.counts > 0).sum(axis=1)
+    present = corpus.counts > 0
+    distinct = present.sum(axis=1)
+    # each document's words first (a hand-built corpus may hold zero counts between them:
+    # rows are cut from the first `distinct` entries), in their order
+    order = np.argsort(~present, axis=1, kind="stable")
+    corpus_ids = np.take_along_axis(corpus.ids, order, axis=1)
+    corpus_counts = np.take_along_axis(corpus.counts, order, axis=1)
     per_doc = -(-distinct // width)
-    cols = -(-corpus.ids.shape[1] // width) * width
-    pad = ((0, 0), (0, cols - corpus.ids.shape[1]))
-    ids = np.pad(corpus.ids, pad).reshape(corpus.num_docs, -1, width)
-    counts = np.pad(corpus.counts, pad).reshape(corpus.num_docs, -1, width)
+    cols = -(-corpus_ids.shape[1] // width) * width
+    pad = ((0, 0), (0, cols - corpus_ids.shape[1]))
+    ids = np.pad(corpus_ids, pad).reshape(corpus.num_docs, -1, width)
+    counts = np.pad(corpus_counts, pad).reshape(corpus.num_docs, -1, width)
     keep = np.arange(ids.shape[1])[None, :] < per_doc[:, None]
     start = np.concatenate([[0], np.cumsum(per_doc)[:-1]])
     return ids[keep], counts[keep], start, per_doc
@@ -1487,6 +1493,9 @@ def heldout_log_likelihood(
     per_doc = np.concatenate(scores)
     if per_document:
         return per_doc
+    if heldout.num_words == 0:
+        raise ValueError("`heldout` holds no words: the held-out log-likelihood per word is "
+                         "undefined (use per_document=True for the per-document sums, 0 here).")
     return float(per_doc.sum() / heldout.num_words)
 
 
