@@ -558,9 +558,8 @@ def _check_log_z_one(site_log_z: dict, temps: jax.Array, who: str) -> list[str]:
     one = int(np.argmax(np.asarray(temps) == 1.0))
 
     def worst(v) -> float:  # the element farthest from 0, with its sign (nan if any is nan)
-        v = np.asarray(v)[..., one].ravel()
-        return float(v[np.argmax(np.abs(v))]) if v.size and not np.isnan(v).any() else (
-            float("nan") if v.size else 0.0)
+        v = jnp.ravel(jnp.asarray(v)[..., one])
+        return float(_farthest_from_zero(v, 0)) if v.size else 0.0
 
     values = {n: worst(v) for n, v in site_log_z.items()}
     wrong = {n: v for n, v in values.items() if np.isfinite(v) and abs(v) > LOG_Z1_TOL}

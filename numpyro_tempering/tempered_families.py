@@ -37,8 +37,9 @@ only the standard integral needs a closed form:
   :math:`t_K\,q/(1 - q)`, :math:`q = ((1 - P)\max(1, \tfrac{a + K}{K + 1}))^{1/T}`, which
   bounds every later ratio of consecutive terms :math:`((1 - P)\tfrac{a + k}{k + 1})^{1/T}`
   (decreasing in k for :math:`a \ge 1`, increasing to :math:`(1 - P)^{1/T}` for
-  :math:`a < 1`). The log terms use ``betaln`` (accurate for large k: no difference of two
-  large log-gammas), so float32 keeps about 1e-6 relative accuracy in each term. The cost is
+  :math:`a < 1`). The log terms use :func:`~numpyro_tempering.special.log_beta` (accurate
+  for large k and a: no difference of two large log-gammas; JAX's ``betaln`` errs by 1e-6
+  in float64), so float32 keeps about 1e-6 relative accuracy in each term. The cost is
   the number of terms before the tail bound falls below float precision, about the tempered
   law's mean plus tens of its standard deviations (the law is spread over :math:`O(\bar k)`
   values when a is small): an element that needs more than :math:`2^{22}` terms (means
@@ -75,6 +76,7 @@ from jax.scipy.special import digamma, gammaln
 
 from numpyro_tempering.partition import (
     TemperedResult,
+    _broadcast_params,
     _bucketed,
     _check_proper,
     _float,
@@ -271,10 +273,7 @@ def _nb_params(d: npd.GammaPoisson, t: Array) -> tuple[Array, ...]:
         rate = _float(d.rate)
         log_q = -jnp.log1p(rate)
         log_p = jnp.log(rate) + log_q
-    a = _float(d.concentration)
-    dtype = jnp.result_type(a, log_p, t)
-    shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(log_p), jnp.shape(t))
-    return tuple(jnp.broadcast_to(jnp.asarray(x, dtype), shape) for x in (a, log_p, log_q, t))
+    return _broadcast_params(_float(d.concentration), log_p, log_q, t)
 
 
 @jax.jit

@@ -178,7 +178,7 @@ class SMCRun(NamedTuple):
     prior_log_c: jax.Array  # (M,): log of the mean of e^{L_T} over prior draws
     prior_ess: jax.Array  # (M,): Kish ESS of those draws' weights
     quad_error: jax.Array | None = None  # (R, M): measured quadrature error of log C-hat
-    tail_grows: jax.Array | None = None  # (M,): the integrand still grows far out (tail_check)
+    tail_grows: jax.Array | None = None  # (M,): the integrand still grows far out (tail_grows)
 
 
 def flag_smc(
@@ -648,13 +648,20 @@ def _smc(
 TAIL_DOUBLINGS = 10
 
 
-def _rays(draws: jax.Array) -> jax.Array:
-    """(2 D TAIL_DOUBLINGS, D): points on the rays from the prior draws' median along each
-    coordinate, both ways, at 1, 2, 4, ... robust prior scales (interquartile range / 1.349,
-    or 1 where that is 0 or not finite), the distance growing fastest along the last axis."""
+def _robust_centre_scale(draws: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per coordinate of ``draws`` (S, D): the median and the interquartile range / 1.349 (the
+    sd of a normal prior, robust to a heavy-tailed one: a Cauchy prior's sample sd would be
+    set by its largest draws), 1 where that is 0 or not finite."""
     q1, centre, q3 = jnp.percentile(draws, jnp.array([25.0, 50.0, 75.0]), axis=0)
     scale = (q3 - q1) / 1.349
-    scale = jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+    return centre, jnp.where(jnp.isfinite(scale) & (scale > 0), scale, 1.0)
+
+
+def _rays(draws: jax.Array) -> jax.Array:
+    """(2 D TAIL_DOUBLINGS, D): points on the rays from the prior draws' median along each
+    coordinate, both ways, at 1, 2, 4, ... robust prior scales (:func:`_robust_centre_scale`),
+    the distance growing fastest along the last axis."""
+    centre, scale = _robust_centre_scale(draws)
     dim = draws.shape[-1]
     steps = 2.0 ** jnp.arange(TAIL_DOUBLINGS, dtype=draws.dtype)
     signs = jnp.array([-1.0, 1.0], draws.dtype)
@@ -749,13 +756,11 @@ def global_log_prior(tr: dict, global_names: tuple[str, ...], dtype: Any) -> jax
 
 
 def _grid(draws: jax.Array) -> jax.Array:
-    """(GRID_POINTS,): the prior draws' median +- GRID_REACH of their scale (one global): the
-    interquartile range / 1.349, the sd of a normal prior and robust to a heavy-tailed one
-    (a Cauchy prior's sample sd would spread the grid over its largest draws)."""
-    q1, centre, q3 = jnp.percentile(draws[:, 0], jnp.array([25.0, 50.0, 75.0]))
-    sd = (q3 - q1) / 1.349
-    sd = jnp.where(jnp.isfinite(sd) & (sd > 0), sd, 1.0)
-    return centre + sd * jnp.linspace(-GRID_REACH, GRID_REACH, GRID_POINTS, dtype=draws.dtype)
+    """(GRID_POINTS,): the prior draws' median +- GRID_REACH of their robust scale (one
+    global, :func:`_robust_centre_scale`)."""
+    centre, sd = _robust_centre_scale(draws[:, :1])
+    return centre[0] + sd[0] * jnp.linspace(-GRID_REACH, GRID_REACH, GRID_POINTS,
+                                            dtype=draws.dtype)
 
 
 def _on_grid(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
