@@ -144,10 +144,12 @@ from numpyro_tempering.tempered_smc import (
     SMCRun,
     SMCSettings,
     _laplace,
+    _rays,
     _smc,
     _solve_lower,
     _solve_upper,
     _Target,
+    tail_grows,
 )
 
 __all__ = [
@@ -302,8 +304,10 @@ def _log_c_rules(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
     """Per rule: the per-element ``log c-hat_n`` ``(N,)`` by the rule at the placement, the
     rest of L_T (the sites outside the plate, which do not depend on the locals), and per
     element the share of the rule's normalised weights at nodes where the log density is
-    NaN (counted as zero in ``log c-hat_n``: e.g. a log link's ``exp`` beyond float32's
-    range; the quadrature check counts them as the rule's Gaussian would). The log density
+    NaN or ``+inf`` (counted as zero in ``log c-hat_n``: e.g. a log link's ``exp`` beyond
+    float32's range, which is NaN, or ``+inf`` where XLA simplifies ``log(exp(v))`` to ``v``
+    in the prior of a LogNormal local ``s`` but not in a likelihood scale ``s / sqrt(tau)``
+    that overflowed; the quadrature check counts them as the rule's Gaussian would). The log density
     is evaluated once, at all the rules' nodes together: each evaluation site is a copy of
     the model's likelihood in the compiled program (a series normaliser inlined once per
     site dominated the compilation of a Poisson log-link model)."""
@@ -320,9 +324,9 @@ def _log_c_rules(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
     for nodes, corr, log_w in rules:
         el = el_all[start:start + len(nodes)]
         start += len(nodes)
-        lost = logsumexp(jnp.where(jnp.isnan(el), jnp.asarray(log_w, u.dtype)[:, None],
-                                   -jnp.inf), 0)
-        el = jnp.where(jnp.isnan(el), -jnp.inf, el)
+        bad = jnp.isnan(el) | (el == jnp.inf)
+        lost = logsumexp(jnp.where(bad, jnp.asarray(log_w, u.dtype)[:, None], -jnp.inf), 0)
+        el = jnp.where(bad, -jnp.inf, el)
         log_c = logsumexp(el + jnp.asarray(corr, u.dtype)[:, None], axis=0) - log_det
         out.append((log_c, rest[0], jnp.exp(lost)))
     return out
@@ -370,12 +374,19 @@ def _prior_check(target: _Target, key: jax.Array, num_draws: int, t: jax.Array) 
     r"""The missed-mass check's inputs (:func:`~numpyro_tempering.tempered_smc.missed_mass`):
     the log of the mean of :math:`\prod_n \hat c_n(u, T)` over draws of the globals from
     their prior (unbiased for what the SMC estimates, whatever its reference), and the
-    draws' Kish ESS."""
+    draws' Kish ESS; and whether :math:`\log p(u) + \sum_n \log \hat c_n(u, T)` still
+    grows far out along a global coordinate
+    (:func:`~numpyro_tempering.tempered_smc.tail_grows` on the rays of
+    :func:`~numpyro_tempering.tempered_smc._rays`: the locals integrated out, the integral
+    over the globals diverges)."""
     draws = jax.vmap(target.init)(random.split(key, num_draws))
-    log_w = jax.lax.map(lambda u: target.pieces(u, t)[0], draws, batch_size=64)
-    log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
+    rays = _rays(draws)
+    both = jax.lax.map(lambda u: target.pieces(u, t)[0], jnp.concatenate([draws, rays]),
+                       batch_size=64)
+    log_w = jnp.where(jnp.isnan(both[:num_draws]), -jnp.inf, both[:num_draws])
+    grows = tail_grows(jax.vmap(target.log_prior)(rays) + both[num_draws:])
     w = jnp.exp(log_w - jnp.max(log_w))
-    return logsumexp(log_w) - math.log(num_draws), jnp.sum(w) ** 2 / jnp.sum(w**2)
+    return logsumexp(log_w) - math.log(num_draws), jnp.sum(w) ** 2 / jnp.sum(w**2), grows
 
 
 def build_quadrature_runner(
@@ -425,8 +436,8 @@ def build_quadrature_runner(
             target, _ = _quad_target(joint, best(frame), t, q)
             return _prior_check(target, key_prior, settings.num_prior_draws, t)
 
-        prior = jax.lax.map(lambda a: prior_check(*a), (temps, frames))
-        return SMCRun(*out, *prior, quad_error=quad)
+        prior_log_c, prior_ess, grows = jax.lax.map(lambda a: prior_check(*a), (temps, frames))
+        return SMCRun(*out, prior_log_c, prior_ess, quad_error=quad, tail_grows=grows)
 
     return run
 

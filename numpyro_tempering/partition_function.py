@@ -783,8 +783,10 @@ class LogPartitionEstimate(NamedTuple):
             the temperature is not flagged (a warning names it; a
             :class:`~numpyro_tempering.ladder.Ladder` refuses it: the multicanonical model
             is improper at that rung).
-        tail_grows: ``(M,)`` (``"smc"``, routes over the globals alone) where the tempered
-            integrand over the globals does not decay far from the prior's centre
+        tail_grows: ``(M,)`` (``"smc"``: the routes over the globals alone and
+            ``"quadrature"``, whose locals are integrated out first; not ``"joint"``) where
+            the tempered integrand over the globals does not decay far from the prior's
+            centre
             (:func:`~numpyro_tempering.tempered_smc.tail_grows`): :math:`\log C(T)` is then
             most likely :math:`+\infty` although every particle's value is finite (the
             likelihood's tempered normalisers outgrow the prior, e.g. a precision whose prior
@@ -1304,7 +1306,9 @@ def _smc_estimate(
         out = _run_in_chunks(_smc_runner(*runner_args, local=local),
                              rng_key, temps, progress_bar)
         behind = np.asarray(out.num_stages)
-    one = np.asarray(temps) == 1.0  # log C(1) = 0 exactly: every log Z(1) was checked
+    # log C(1) = 0 exactly (every log Z(1) was checked), unless untempered observed sites
+    # (importance weights) make C(1) != 1: then T = 1 is estimated like any other rung
+    one = (np.asarray(temps) == 1.0) & (not structure.untempered_observed)
     reps = np.where(one[None, :], 0.0, np.asarray(out.log_z, np.float64))
     log_c, stderr, bad = (np.asarray(v) for v in combine(jnp.asarray(reps)))
     # floating-point floor: every stage adds a rounding of the size eps |log C| to log C-hat
@@ -1435,7 +1439,8 @@ def log_partition(
 
     **Routes** (``"smc"``): with ``route="auto"`` a ladder of ``LADDER_MIN_RUNGS`` (8) or
     more temperatures, all >= 1, is walked in **one sequential run** per replicate (not
-    with locals that matter)
+    with locals that matter, nor with untempered observed sites: their importance weights
+    make :math:`C(1) \ne 1`, which the ladder's start from the prior cannot see)
     (``route="ladder"``, :mod:`numpyro_tempering.ladder_smc`: from the prior at T = 1
     through every rung in :math:`1/T`, log C read off at each); shorter ladders, or ones
     with T < 1, run one SMC per temperature (``route="per-temperature"``). On the paper's
@@ -1641,8 +1646,17 @@ def log_partition(
             f"`route`='ladder' walks from T = 1 (the prior) to hotter rungs; temperatures "
             f"{bad} are below 1: use route='per-temperature'."
         )
+    weights = list(structure.untempered_observed)
+    if route == "ladder" and weights:
+        raise ValueError(
+            f"`route`='ladder' starts at T = 1 from the prior, whose log C(1) = 0; the "
+            f"untempered observed site(s) {weights} are importance weights that make "
+            "C(1) != 1 (and the prior no exact draw of the T = 1 target): use "
+            "route='per-temperature' (route='auto' does)."
+        )
     ladder = route == "ladder" or (
         route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS and not locals_joint
+        and not weights
     )
     est = _smc_estimate(
         rng_key, model, marked, selection, temps, structure, args,

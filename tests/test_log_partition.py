@@ -390,6 +390,30 @@ def test_untempered_factor_is_an_importance_weight():
     assert_within_se(est, normal_log_c(TEMPS) - 0.5 * math.log(2.0))
 
 
+def test_the_smc_estimates_log_c_of_one_where_an_importance_weight_makes_it_nonzero():
+    """The same weight through the SMC: it forced log C(1) = 0 (only right without
+    importance weights), so that the rung T = 1 was out of step with the others by
+    log 1/sqrt(2) and a multicanonical q(y) built on the ladder was wrong (found by a
+    probe: q(T = 1) 0.11 instead of 0.28). Now T = 1 is estimated like any rung, a ladder of
+    8 (which route='auto' would walk in one run from the prior, an exact draw at T = 1 only
+    without weights) runs per temperature, and route='ladder' is refused."""
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        numpyro.factor("penalty", -0.5 * mu**2)
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, SIGMA), obs=x)
+
+    temps = np.geomspace(1.0, 10.0, 8)
+    x = jnp.linspace(-1.0, 1.0, N_NORMAL)
+    est = log_partition(KEY, model, temps, x, exclude="penalty", progress_bar=False)
+    assert est.method == "smc" and est.route == "per-temperature"
+    assert float(est.stderr[0]) > 0  # estimated, not set
+    assert_within_se(est, normal_log_c(temps) - 0.5 * math.log(2.0))
+    with pytest.raises(ValueError, match=r"route.*'ladder'.*\['penalty'\].*importance"):
+        log_partition(KEY, model, temps, x, exclude="penalty", route="ladder",
+                      progress_bar=False)
+
+
 def _scale_local_model(x):
     with numpyro.plate("data", 12, subsample_size=x.shape[0]):
         z = numpyro.sample("z", dist.Normal(0.0, 1.0))  # untempered local

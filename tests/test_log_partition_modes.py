@@ -302,3 +302,37 @@ def test_a_divergent_integral_over_the_globals_is_flagged():
     assert abs(float(est.log_c[0]) - exact) < 4 * float(est.stderr[0]) + 0.02
     assert est.flagged[1] and est.tail_grows[1] and np.isinf(float(est.stderr[1]))
     assert any("most likely +inf" in str(w.message) for w in record)
+
+
+def test_a_divergent_integral_over_the_globals_is_flagged_through_quadrature_over_locals():
+    """The same precision under a LogNormal local scale: tau ~ Gamma(10, 10), s_n ~
+    LogNormal(0, 0.3), x_n ~ N(0, s_n tau^-1/2), N = 30 (the quadrature route over the s_n).
+    log C(T) = N [k/2 log 2 pi + 1/2 log T + k^2 0.09/2] + log E[tau^(-N k/2)], k = 1 - 1/T,
+    finite while N k/2 < 10. Before, the quadrature route had no tail check (T = 4: a finite
+    160.9 with no word of the divergence), and its check's wide rule counted the nodes
+    where s = e^v overflows float32 as +inf (XLA simplifies log(exp(v)) in the LogNormal's
+    density but not in the likelihood's scale s / sqrt(tau)): T = 1.5 came out flagged
+    with an infinite quadrature error although it is right."""
+    from scipy.special import gammaln
+
+    def model(x):
+        tau = numpyro.sample("tau", dist.Gamma(10.0, 10.0))
+        with numpyro.plate("data", x.shape[0]):
+            s = numpyro.sample("s", dist.LogNormal(0.0, 0.3))
+            numpyro.sample("x", dist.Normal(0.0, s / jnp.sqrt(tau)), obs=x)
+
+    num, temps = 30, np.array([1.5, 4.0])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = log_partition(KEY, model, jnp.asarray(temps), jnp.zeros(num), plate="data",
+                            num_particles=64, num_mcmc_steps=2, progress_bar=False)
+    k = 1 - 1 / temps[0]
+    half = num * k / 2
+    exact = (num * (k / 2 * np.log(2 * np.pi) + 0.5 * np.log(temps[0]) + k**2 * 0.09 / 2)
+             + half * np.log(10.0) + gammaln(10.0 - half) - gammaln(10.0))
+    assert est.route == "quadrature"
+    assert not est.flagged[0] and not est.tail_grows[0]
+    assert abs(float(est.quadrature_error[0])) < 1e-4
+    assert abs(float(est.log_c[0]) - exact) < 3 * float(est.stderr[0]) + 0.02
+    assert est.flagged[1] and est.tail_grows[1] and np.isinf(float(est.stderr[1]))
+    assert any("most likely +inf" in str(w.message) for w in record)
