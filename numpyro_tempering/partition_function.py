@@ -1628,7 +1628,11 @@ def log_partition(
     if subsampled:
         _warn_fallback(
             f"subsampled plate(s) {subsampled}: the SMC would integrate one fixed subsample; "
-            "run the model on the full plates"
+            "the fallback draws a subsample per prior draw and scales its normalisers by "
+            "N/B, which is exact only for identical elements (elements that differ, e.g. in "
+            "noise scale or length, add the subsample's noise to log C and bias it: "
+            "e^(N/B sum of B) is not unbiased for the product of all N); run the model on "
+            "the full plates"
         )
         return prior()
     from numpyro_tempering.tempered_smc import SMCSettings
