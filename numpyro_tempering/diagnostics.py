@@ -98,12 +98,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax, random
 from numpyro import handlers
-from numpyro.distributions import Delta
 from numpyro.distributions.transforms import biject_to
 from numpyro.infer.util import compute_log_probs
 
 from numpyro_tempering import bounds as _bounds
 from numpyro_tempering.engine import log_weights
+from numpyro_tempering.engine import point_mass as _point_mass
 
 if TYPE_CHECKING:  # pragma: no cover
     import arviz
@@ -411,16 +411,6 @@ def _cached(key: Any, build: Callable[[], Callable]) -> Callable:
 # ---------------------------------------------------------------------------------------------
 # Guides: log q at given values of the model's latent sites
 # ---------------------------------------------------------------------------------------------
-def _point_mass(fn: Any) -> bool:
-    while True:
-        if isinstance(fn, Delta):
-            return True
-        base = getattr(fn, "base_dist", None)
-        if base is None:
-            return False
-        fn = base
-
-
 def _laplace_as_normal(model: Callable, guide: Any, params: dict) -> tuple[Any, dict]:
     """An ``AutoLaplaceApproximation`` samples its MAP point (a point mass); its density is
     the Laplace posterior ``guide.get_posterior(params)``, a multivariate normal over the

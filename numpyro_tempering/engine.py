@@ -64,6 +64,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import random
+from numpyro.distributions import Delta
 from numpyro.handlers import replay, seed, substitute
 from numpyro.infer.util import compute_log_probs
 from numpyro.primitives import _PYRO_STACK, Messenger
@@ -112,6 +113,20 @@ class LogWeights(NamedTuple):
     def tempered_log_w(self, inv_temperature: jax.typing.ArrayLike) -> jax.Array:
         """log p(beta, z) + log p(x, z | beta) / T - log q: the eq. 7 integrand."""
         return self.log_prior + inv_temperature * self.log_lik - self.log_q
+
+
+def point_mass(fn: Any) -> bool:
+    """Whether a guide site's distribution is a point mass (a ``Delta``, also inside
+    NumPyro's wrappers): its ``log_prob`` is then no density of q, and a guide whose every
+    latent site is one (``AutoDelta``, ``AutoLaplaceApproximation`` in SVI) gives no
+    importance weight, so no bound on log p(x) (checked by ``evidence_bounds``, ``CUBO`` and
+    ``KLpq``)."""
+    while True:
+        if isinstance(fn, Delta):
+            return True
+        fn = getattr(fn, "base_dist", None)
+        if fn is None:
+            return False
 
 
 class _shared_subsample(Messenger):

@@ -1437,7 +1437,11 @@ def _mixture_log_z(d: Distribution, t: Array) -> Array:
     clp = clp / _expand_t(t, 1)
     own = jnp.eye(k, dtype=bool).reshape((k,) + (1,) * (clp.ndim - 2) + (k,))
     log_rho = jnp.sum(jnp.where(own, clp, 0.0), axis=-1) - logsumexp(clp, axis=-1)
-    return _checked_integral(log_p / t + log_rho + log_w, t, (0, 1))
+    # where the density underflows, the integrand is 0 whatever log_rho is: compiled, the
+    # log-sum-exp of the floored values came out -inf (eager: finite), and log_rho +inf made
+    # -inf + inf = NaN at the far nodes of every two-Normal mixture (found by a probe)
+    log_f = jnp.where(log_p == -jnp.inf, -jnp.inf, log_p / t + log_rho + log_w)
+    return _checked_integral(log_f, t, (0, 1))
 
 
 _mixture_log_z_jit = jax.jit(_mixture_log_z)

@@ -345,6 +345,22 @@ def test_autoguides_with_a_constrained_latent(autoguide):
         assert any(bool(jnp.any(t != 0)) for t in leaves)
 
 
+@pytest.mark.parametrize("autoguide", ["AutoDelta", "AutoLaplaceApproximation"])
+@pytest.mark.parametrize("objective", [CUBO, KLpq])
+def test_a_point_mass_guide_is_refused(objective, autoguide):
+    """Every log weight of a point-mass guide is log p(x, z-hat), which both objectives
+    reported as the upper bound, with ESS = S and no warning: 0.23 nats *below* log p(x) at
+    the posterior mode of the conjugate model (a probe). The bound is +inf (KL(p || q) and
+    chi^2 are infinite); evidence_bounds refused such guides already, now these do."""
+    from numpyro.infer import autoguide as ag
+
+    g = getattr(ag, autoguide)(model)
+    svi = SVI(model, g, optax.sgd(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(KEY, X))
+    with pytest.raises(ValueError, match=r"every latent site of the guide .* point mass"):
+        objective(num_particles=4).loss(KEY, params, model, g, X)
+
+
 # -- optimisation --------------------------------------------------------------------------
 
 

@@ -1023,6 +1023,25 @@ def test_mixture_general_and_unresolvable_mixtures():
                 npd.Categorical(jnp.array([0.5, 0.5])), npd.Poisson(jnp.array([1.0, 5.0]))), 2.0)
 
 
+@pytest.mark.parametrize("loc", [0.0, 2.0])
+def test_a_float32_two_normal_mixture_compiled_is_right(loc):
+    """MixtureSameFamily(Categorical([.5, .5]), Normal([m, -m], 1.0)) at T = 1.5 in float32:
+    the compiled rule gave NaN (the floored components' log-sum-exp came out -inf, and
+    -inf + inf at the far nodes), so tempered_log_normalizer raised 'failed its
+    self-checks' for every m, while eager code gave the right value (found by a probe)."""
+    d = npd.MixtureSameFamily(npd.Categorical(jnp.array([0.5, 0.5])),
+                              npd.Normal(jnp.array([loc, -loc]), 1.0))
+
+    def log_f(x):
+        return np.logaddexp(stats.norm.logpdf(x, loc), stats.norm.logpdf(x, -loc)) / 1.5 \
+            + math.log(0.5) / 1.5
+
+    ref = log_quad(log_f, -np.inf, np.inf, points=[-loc, loc] if loc else None)
+    assert_allclose(float(tempered_log_normalizer(d, jnp.asarray(1.5))), ref, atol=2e-5)
+    assert_allclose(float(jax.jit(tempered_log_normalizer)(d, jnp.asarray(1.5))), ref,
+                    atol=2e-5)
+
+
 @pytest.mark.parametrize("T", [0.7, 1.0, 3.0])
 def test_jointly_tempered_mixture_is_sum_of_tempered_components(T):
     # int sum_k (w_k p_k(x))^(1/T) dx = sum_k w_k^(1/T) Z_k(T): closed form vs brute force

@@ -146,6 +146,29 @@ def test_log_partition_of_a_student_t_likelihood_is_exact_and_infinite_where_it_
         Ladder(temps).with_estimate(est)
 
 
+def test_log_partition_is_infinite_where_the_normaliser_diverges_on_part_of_the_prior():
+    """df = 1 + g, g ~ Gamma(5, 1), x_n ~ StudentT(df): at T = 3 the normaliser is
+    infinite where df <= 2 (prior mass 0.004), so log C(3) = +inf exactly. The 16 probe
+    draws that look for divergence miss so small a region; the SMC returned NaN, flagged,
+    with a warning that blamed the stage cap (a probe, at N = 200). Now the missed-mass
+    check's 1024 prior draws see it too: +inf, exact, and a warning that says why."""
+    import numpyro
+
+    from numpyro_tempering import log_partition
+
+    def model(x):
+        g = numpyro.sample("g", npd.Gamma(5.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", npd.StudentT(1.0 + g, 0.0, 1.0), obs=x)
+
+    with pytest.warns(UserWarning, match=r"log C\(T\) = \+inf at T = \[3.0\]"):
+        est = log_partition(jax.random.PRNGKey(0), model, jnp.array([3.0]), jnp.zeros(20),
+                            plate="data", num_particles=32, num_replicates=2,
+                            num_mcmc_steps=1, progress_bar=False)
+    assert np.isinf(float(est.log_c[0])) and float(est.stderr[0]) == 0.0
+    assert est.divergent.tolist() == [True] and not np.any(est.flagged)
+
+
 # -- GammaPoisson and the negative binomials (a series, like the Poisson's) ----------------------
 
 def nb_brute(a, mean, T):
@@ -265,6 +288,35 @@ def test_negative_binomial_invalid_or_too_spread_is_nan(monkeypatch):
                                       params, False)
     assert_allclose(float(log_z[0]), nb_brute(0.5, 6.0, 2.0), rtol=1e-5)
     assert np.isnan(float(log_z[1]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_negative_binomial_beyond_the_cap_is_nan_at_once_and_never_refuses_a_convergent_one(
+        monkeypatch, dtype):
+    """A law the series cannot finish within its cap used to run the whole cap before
+    giving NaN (45 s a call of 200 elements at mean 1e6; log_partition on a
+    negative-binomial model, whose tail check looks at huge means, did not return in 17
+    minutes). _nb_beyond_cap's lower bounds on the terms needed give NaN at once. With the
+    cap lowered to 4,096 terms, on a grid of a, mean and T: every element it refuses does
+    give NaN after the whole cap (it never refuses a convergent one), and it catches most of
+    those that do."""
+    from numpyro_tempering import partition
+    from numpyro_tempering import tempered_families as tf
+
+    monkeypatch.setattr(partition, "_SERIES_MAX_TERMS", 1 << 12)
+    monkeypatch.setattr(tf, "_SERIES_MAX_TERMS", 1 << 12)
+    a, mean, t = (x.ravel() for x in np.meshgrid(
+        [0.1, 0.5, 1.0, 3.0, 20.0], np.geomspace(1.0, 1e5, 12), [0.3, 1.0, 2.0, 5.0],
+        indexing="ij"))
+    with x64(dtype == jnp.float64):
+        params = tf._nb_params(npd.NegativeBinomial2(jnp.asarray(mean, dtype),
+                                                     jnp.asarray(a, dtype)),
+                               jnp.asarray(t, dtype))
+        log_z, _ = partition._series_loop(tf._nb_term, tf._nb_tail, params, False)
+        beyond = np.asarray(tf._nb_beyond_cap(params))
+    nan = np.isnan(np.asarray(log_z))
+    assert not np.any(beyond & ~nan)
+    assert np.sum(beyond) >= 0.9 * np.sum(nan) > 0
 
 
 @settings(max_examples=25, deadline=None)

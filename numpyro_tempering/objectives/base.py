@@ -33,7 +33,7 @@ from numpyro.infer.elbo import ELBO
 from numpyro.primitives import Messenger
 
 from numpyro_tempering import bounds
-from numpyro_tempering.engine import LogWeights, log_weights, particle_options
+from numpyro_tempering.engine import LogWeights, log_weights, particle_options, point_mass
 from numpyro_tempering.handlers import stop_param_gradients, stop_sample_gradients
 
 __all__ = [
@@ -192,16 +192,31 @@ class _GuideCheck(Messenger):
         self.owner = owner
         self.require_rsample = require_rsample
         self.names = names
+        self.point_masses: set[str] = set()
         super().__init__(fn)
 
     def __enter__(self):
         self.names.clear()
+        self.point_masses = set()
         return super().__enter__()
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        super().__exit__(exc_type, exc_value, traceback)
+        if exc_type is None and self.names and self.point_masses == self.names:
+            raise ValueError(
+                f"{self.owner}: every latent site of the guide ({sorted(self.names)}) is a "
+                "point mass (Delta: AutoDelta, or AutoLaplaceApproximation in SVI): q has no "
+                "density, KL(p || q) and the chi^2 divergence are infinite, and the upper "
+                "bound with them; the objective would report log p(x, z-hat), which lies "
+                "below log p(x). Use a guide with a density (e.g. AutoNormal)."
+            )
 
     def process_message(self, msg: dict) -> None:
         if msg["type"] != "sample" or msg.get("is_observed"):
             return
         self.names.add(msg["name"])
+        if point_mass(msg["fn"]):
+            self.point_masses.add(msg["name"])
         if _enumerated(msg):
             raise _enumeration_error(
                 self.owner, "guide", msg["name"], "Remove the mark: guide sites are sampled."
