@@ -648,6 +648,7 @@ class temper(Messenger):
         self._inv_temperature: Any = None
         self._scan_consumer: str | None = None
         self._seen: set[str] = set()
+        self._auxiliary: set[str] = set()
         self._tempered: set[str] = set()
         self._base_depth = 0
         super().__init__(fn)
@@ -703,6 +704,7 @@ class temper(Messenger):
     # -- temperature ---------------------------------------------------------------------
     def _start(self) -> None:
         self._seen = set()
+        self._auxiliary = set()
         self._tempered = set()
         self._base_depth = emission_depth(inside_message=False)
         self._scan_consumer = scan_unsupported_consumer()
@@ -752,9 +754,12 @@ class temper(Messenger):
     def _check_selection(self) -> None:
         missing = sorted(self.selection.names - self._seen)
         if missing:
+            added = sorted(self._auxiliary - self._seen)
+            also = (f", and sites added by handlers (a reparameteriser's, a Jacobian), which "
+                    f"`latent=` may name: {added}") if added else ""
             raise ValueError(
                 f"temper: no sample site named {missing} in the model; its sample sites are "
-                f"{sorted(self._seen)}."
+                f"{sorted(self._seen)}{also}."
             )
 
     def _refuse_scan(self, msg: dict, name: str) -> None:
@@ -816,6 +821,7 @@ class temper(Messenger):
         if role != OBSERVED and not msg.get("is_observed"):
             self._refuse_unreplayed_cond_latent(msg, name)
         if role == AUXILIARY and not self.selection.tempers_latent(name):
+            self._auxiliary.add(name)
             return  # emitted by a handler (Jacobians, reparameterisers' sites): never
             # tempered unless named (e.g. the decentred site of a LocScaleReparam)
         self._seen.add(name)

@@ -165,6 +165,15 @@ def test_reparam_auxiliary_sites_are_never_tempered():
     np.testing.assert_allclose(lp, (prior + lik) / 2, rtol=1e-6)
 
 
+def test_naming_a_reparameterised_latent_lists_the_sites_that_latent_may_name():
+    """temper(reparam(model), latent="mu"): `mu` is no sample site of the reparameterised
+    model; the error listed only ['x'], not the auxiliary `mu_decentered` it may name (a
+    probe)."""
+    fn = temper(handlers.reparam(loc_model, {"mu": LocScaleReparam(0.0)}), 2.0, latent="mu")
+    with pytest.raises(ValueError, match=r"\['mu'\].*\['x'\].*may name: \['mu_decentered'\]"):
+        log_density(fn, (), {}, {"mu_decentered": 0.25})
+
+
 def test_traced_bad_temperature_gives_nan_not_a_number():
     f = jax.jit(lambda T: log_density(temper(loc_model, T), (), {}, {"mu": 0.1})[0])
     assert np.isfinite(f(2.0))
