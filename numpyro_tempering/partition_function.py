@@ -847,7 +847,9 @@ class LogPartitionEstimate(NamedTuple):
                 self.replicate_log_c,
                 self.acceptance,
                 self.num_nonfinite,
-                exact=(np.asarray(self.temperatures) == 1.0) | exact,
+                # T = 1 is exact where the SMC set log C(1) = 0 (no importance weights)
+                exact=((np.asarray(self.temperatures) == 1.0)
+                       & np.all(np.asarray(self.replicate_log_c) == 0.0, axis=0)) | exact,
                 missed=self._missed_or_quadrature(),
             )
         if self.num_samples is None:  # built by hand: only non-finite draws can be judged

@@ -408,6 +408,7 @@ def test_the_smc_estimates_log_c_of_one_where_an_importance_weight_makes_it_nonz
     est = log_partition(KEY, model, temps, x, exclude="penalty", progress_bar=False)
     assert est.method == "smc" and est.route == "per-temperature"
     assert float(est.stderr[0]) > 0  # estimated, not set
+    assert np.any(np.asarray(est.replicate_log_c)[:, 0] != 0) and not est.flagged[0]
     assert_within_se(est, normal_log_c(temps) - 0.5 * math.log(2.0))
     with pytest.raises(ValueError, match=r"route.*'ladder'.*\['penalty'\].*importance"):
         log_partition(KEY, model, temps, x, exclude="penalty", route="ladder",
