@@ -271,52 +271,149 @@ def test_negative_binomial_law_is_normalised_and_its_sampler_follows_it():
     assert abs(draws.mean() - m) < 4 * se
 
 
-def test_negative_binomial_invalid_or_too_spread_is_nan(monkeypatch):
+def test_negative_binomial_invalid_or_too_spread_is_nan_or_summed_by_the_tail():
     """Invalid parameters under tracing (nan, a <= 0, an infinite rate) give NaN beside a
-    valid element; a law that needs more terms than the cap gives NaN, not a truncated sum
-    (the cap lowered to 4,096 terms: mean 1000, a = 0.5, T = 2 e-folds every 4,000 counts,
-    while mean 6 beside it converges)."""
-    from numpyro_tempering import partition, tempered_families
-
+    valid element. Laws a series of terms summed slowly or not at all (mean 1000 with
+    a = 0.5 at T = 2 e-folds every 4,000 counts; mean 1e5 went beyond the series' cap of
+    2^22 terms, NaN) are finite and right: against brute force and the geometric closed
+    form (a = 1)."""
     f = jax.jit(lambda a, b: tempered_log_normalizer(npd.GammaPoisson(a, b), 2.0))
     got = np.asarray(f(jnp.array([1.0, jnp.nan, 2.0, -1.0]), jnp.array([1.0, 1.0, jnp.inf, 1.0])))
     assert np.isfinite(got[0]) and np.all(np.isnan(got[1:]))
-    monkeypatch.setattr(partition, "_SERIES_MAX_TERMS", 1 << 12)
-    params = tempered_families._nb_params(npd.NegativeBinomial2(jnp.array([6.0, 1000.0]), 0.5),
-                                          jnp.asarray(2.0))
-    log_z, _ = partition._series_loop(tempered_families._nb_term, tempered_families._nb_tail,
-                                      params, False)
-    assert_allclose(float(log_z[0]), nb_brute(0.5, 6.0, 2.0), rtol=1e-5)
-    assert np.isnan(float(log_z[1]))
+    with x64(True):
+        spread = np.asarray(tempered_log_normalizer(
+            npd.NegativeBinomial2(jnp.array([1000.0, 1e5]), jnp.array([0.5, 1.0])), 2.0))
+    assert_allclose(spread, [nb_brute(0.5, 1000.0, 2.0), _geometric_log_z(1e5, 2.0)],
+                    rtol=1e-10)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
-def test_negative_binomial_beyond_the_cap_is_nan_at_once_and_never_refuses_a_convergent_one(
-        monkeypatch, dtype):
-    """A law the series cannot finish within its cap used to run the whole cap before
-    giving NaN (45 s a call of 200 elements at mean 1e6; log_partition on a
-    negative-binomial model, whose tail check looks at huge means, did not return in 17
-    minutes). _nb_beyond_cap's lower bounds on the terms needed give NaN at once. With the
-    cap lowered to 4,096 terms, on a grid of a, mean and T: every element it refuses does
-    give NaN after the whole cap (it never refuses a convergent one), and it catches most of
-    those that do."""
-    from numpyro_tempering import partition
+def _nb_size(a, mean, T):
+    """The terms nb_brute sums."""
+    return mean + 50.0 * max(T, 1.0) * (mean / a + math.sqrt(mean * (1.0 + mean / a)))
+
+
+#: long series (large means, high temperatures) that scipy can still sum term by term
+NB_LONG = [(a, mean, T) for a in (0.05, 0.5, 2.5, 40.0, 2000.0) for mean in (3e3, 5e4)
+           for T in (0.5, 1.5, 10.0) if _nb_size(a, mean, T) < 4e6]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_negative_binomial_large_mean_expansion_equals_brute_force(dtype):
+    """Where the terms after the first 128 matter (every case here), the tail sum
+    (Euler-Maclaurin, a double-exponential rule) against scipy's pmf summed term by term:
+    float64 to 1e-10, float32 to 5e-4 (relative; concentrations 0.05-2000, means 3e3-5e4,
+    T = 0.5-10; the float32 terms' own rounding at a = 2000 is 1.5e-4)."""
     from numpyro_tempering import tempered_families as tf
 
-    monkeypatch.setattr(partition, "_SERIES_MAX_TERMS", 1 << 12)
-    monkeypatch.setattr(tf, "_SERIES_MAX_TERMS", 1 << 12)
-    a, mean, t = (x.ravel() for x in np.meshgrid(
-        [0.1, 0.5, 1.0, 3.0, 20.0], np.geomspace(1.0, 1e5, 12), [0.3, 1.0, 2.0, 5.0],
-        indexing="ij"))
+    a, mean, T = (np.array(x) for x in zip(*NB_LONG, strict=True))
+    ref = np.array([nb_brute(*case) for case in NB_LONG])
     with x64(dtype == jnp.float64):
-        params = tf._nb_params(npd.NegativeBinomial2(jnp.asarray(mean, dtype),
-                                                     jnp.asarray(a, dtype)),
-                               jnp.asarray(t, dtype))
-        log_z, _ = partition._series_loop(tf._nb_term, tf._nb_tail, params, False)
-        beyond = np.asarray(tf._nb_beyond_cap(params))
-    nan = np.isnan(np.asarray(log_z))
-    assert not np.any(beyond & ~nan)
-    assert np.sum(beyond) >= 0.9 * np.sum(nan) > 0
+        d = npd.NegativeBinomial2(jnp.asarray(mean, dtype), jnp.asarray(a, dtype))
+        t = jnp.asarray(T, dtype)
+        long = np.asarray(tf._nb_head(tf._nb_params(d, t))[1])
+        got = np.asarray(tempered_log_normalizer(d, t))
+    assert long.all() and len(NB_LONG) >= 15
+    tol = 1e-10 if dtype == jnp.float64 else 5e-4
+    assert_allclose(got, ref, rtol=tol, atol=tol)
+
+
+def test_negative_binomial_on_random_parameters_equals_brute_force():
+    """60 random (a, mean, T), log-uniform in [1e-3, 1e6] x [1e-3, 1e4] x [0.2, 50] (those
+    scipy can sum term by term in 2e5 terms), against scipy: float64 to 1e-9, float32 to
+    5e-4 (relative; the terms' own float32 rounding at large a, as in numpyro's log_prob)."""
+    rng = np.random.default_rng(7)
+    cases = []
+    while len(cases) < 60:
+        a, mean, T = np.exp(rng.uniform(np.log([1e-3, 1e-3, 0.2]), np.log([1e6, 1e4, 50.0])))
+        if _nb_size(a, mean, T) < 2e5:
+            cases.append((a, mean, T))
+    a, mean, T = (np.array(x) for x in zip(*cases, strict=True))
+    ref = np.array([nb_brute(*case) for case in cases])
+    for dtype, tol in ((jnp.float64, 1e-9), (jnp.float32, 5e-4)):
+        with x64(dtype == jnp.float64):
+            got = tempered_log_normalizer(
+                npd.NegativeBinomial2(jnp.asarray(mean, dtype), jnp.asarray(a, dtype)),
+                jnp.asarray(T, dtype))
+        assert_allclose(np.asarray(got), ref, rtol=tol, atol=tol, err_msg=str(dtype))
+
+
+def _geometric_log_z(mean, T):
+    """a = 1: p(k) = P (1 - P)^k sums in closed form, P^(1/T) / (1 - (1 - P)^(1/T))."""
+    log_q = -np.log1p(1.0 / mean)  # log(1 - P), P = 1 / (1 + mean)
+    return (log_q - np.log(mean)) / T - np.log(-np.expm1(log_q / T))
+
+
+def _polylog_log_z(mean, T):
+    """a = 2: p(k) = (k + 1) P^2 (1 - P)^k, so sum p^(1/T) = P^(2/T) Li_(-1/T)(z) / z with
+    z = (1 - P)^(1/T) (mpmath's polylogarithm, 30 digits)."""
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 30
+    p = 2 / (2 + mp.mpf(mean))
+    z = (1 - p) ** (1 / mp.mpf(T))
+    return float(mp.log(p ** (2 / mp.mpf(T)) * mp.polylog(-1 / mp.mpf(T), z) / z))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_negative_binomial_at_huge_means_equals_closed_forms(dtype):
+    """Means of 1e3 to 1e12 (the series would need up to 1e13 terms: NaN beyond its cap
+    before the expansion) against the geometric law's closed form (a = 1) and the
+    polylogarithm (a = 2): float64 to 1e-10, float32 to 1e-4 (relative)."""
+    means = np.array([1e3, 1e5, 1e7, 1e9, 1e12])
+    temps = np.array([0.5, 2.0, 10.0])
+    mean, T = (x.ravel() for x in np.meshgrid(means, temps, indexing="ij"))
+    geo = _geometric_log_z(mean, T)
+    poly = np.array([_polylog_log_z(m, t) for m, t in zip(mean, T, strict=True)])
+    tol = 1e-10 if dtype == jnp.float64 else 1e-4
+    with x64(dtype == jnp.float64):
+        t = jnp.asarray(T, dtype)
+        for a, ref in ((1.0, geo), (2.0, poly)):
+            d = npd.NegativeBinomial2(jnp.asarray(mean, dtype), jnp.full(mean.shape, a, dtype))
+            got = jax.jit(tempered_log_normalizer)(d, t)
+            assert got.dtype == dtype
+            assert_allclose(np.asarray(got), ref, rtol=tol, atol=tol, err_msg=f"a = {a}")
+
+
+def test_negative_binomial_large_mean_gradients_equal_finite_differences():
+    """d log Z / d(concentration, rate, T) through the expansion (plain autodiff) against
+    central differences of the brute-force sum, where a series would take 2e5 terms."""
+    from numpyro_tempering import tempered_families as tf
+
+    a, b, T, h = 2.5, 5e-4, 3.0, 1e-5
+    with x64(True):
+        params = tf._nb_params(npd.GammaPoisson(jnp.float64(a), jnp.float64(b)),
+                               jnp.float64(T))
+        assert bool(tf._nb_head(params)[1])
+        grads = jax.grad(lambda a, b, t: tempered_log_normalizer(npd.GammaPoisson(a, b), t),
+                         argnums=(0, 1, 2))(a, b, T)
+
+    def ref(a, b, T):
+        return nb_brute(a, a / b, T)
+
+    fd = [(ref(a + h, b, T) - ref(a - h, b, T)) / (2 * h),
+          (ref(a, b + h * b, T) - ref(a, b - h * b, T)) / (2 * h * b),
+          (ref(a, b, T + h) - ref(a, b, T - h)) / (2 * h)]
+    assert_allclose([float(g) for g in grads], fd, rtol=1e-6)
+
+
+def test_polygamma_differences_keep_their_digits_at_huge_counts():
+    """psi(a + x) - psi(x + 1) and psi_1(a + x) - psi_1(x + 1) against 40-digit mpmath,
+    to 1e-13 (float64) and 1e-4 (float32) relative, up to x = 1e12, where the plain
+    differences are all rounding in float32."""
+    from numpyro_tempering.tempered_families import _polygamma_differences
+
+    mp = pytest.importorskip("mpmath")
+    mp.mp.dps = 40
+    xs = np.array([64.0, 500.0, 1e5, 1e9, 1e12])
+    for a in (0.5, 2.5, 100.0, 1e4):
+        ref = np.array([[float(mp.digamma(a + x) - mp.digamma(x + 1)),
+                         float(mp.polygamma(1, a + x) - mp.polygamma(1, x + 1))] for x in xs]).T
+        for dtype, tol in ((jnp.float64, 1e-13), (jnp.float32, 1e-4)):
+            with x64(dtype == jnp.float64):
+                got = _polygamma_differences(jnp.asarray(a, dtype), jnp.asarray(xs, dtype))
+            assert_allclose(np.asarray(got), ref, rtol=tol, err_msg=f"a = {a}, {dtype}")
+        plain = float(jax.scipy.special.digamma(jnp.float32(a + 1e12))
+                      - jax.scipy.special.digamma(jnp.float32(1e12 + 1)))
+        assert abs(plain - ref[0, -1]) > 0.5 * abs(ref[0, -1])  # why the series is there
 
 
 @settings(max_examples=25, deadline=None)
