@@ -405,6 +405,75 @@ def _nb_tail_placement(params: tuple[Array, ...], c: float) -> tuple[Array, Arra
     return jnp.exp(u), jnp.maximum(width, jnp.minimum(0.55, 11.0 * width))
 
 
+def _nb_log_sum_over(x: Array, log_w: Array, params: tuple[Array, ...],
+                     large: bool = False) -> tuple[Array, Array]:
+    r""":math:`\log\sum_i \exp(\log f(x_i) + \log w_i)` over the leading axis of ``x`` and
+    ``log_w`` (:func:`_nb_term`; NaN terms count as 0, for the self-checks to see), and
+    the summands (no gradient: for self-checks). Each term is evaluated once, in one array
+    that every consumer reads (XLA otherwise computed them once per consumer: twice the
+    time); the derivative is closed-form, :math:`\sum_i \pi_i\,\partial\log f(x_i)`
+    (:math:`\pi` the normalised weights): a third of the time of reverse mode. ``large``:
+    every :math:`x_i \ge 64`, where :math:`\psi(a + x)` is its asymptotic series."""
+    log_f = lax.stop_gradient(_nb_term(x, params)) + log_w
+    log_f = jnp.where(jnp.isnan(log_f), -jnp.inf, log_f)
+    return _nb_weighted_log_sum(large, x, log_w, params, log_f), log_f
+
+
+def _digamma_large(z: Array) -> Array:
+    """psi(z) for z >= 64: its asymptotic series (Abramowitz and Stegun 1964, 6.3.18),
+    truncation error below z^-8 / 240."""
+    r2 = 1.0 / (z * z)
+    return jnp.log(z) - 0.5 / z - r2 * (1.0 / 12.0 - r2 * (1.0 / 120.0 - r2 / 252.0))
+
+
+@partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _nb_weighted_log_sum(large: bool, x: Array, log_w: Array, params: tuple[Array, ...],
+                         log_f: Array) -> Array:
+    return logsumexp(log_f, axis=0)
+
+
+@partial(_nb_weighted_log_sum.defjvp, symbolic_zeros=True)
+def _nb_weighted_log_sum_jvp(large: bool, primals: tuple,
+                             tangents: tuple) -> tuple[Array, Array]:
+    (x, log_w, params, log_f), (dx, dlog_w, dparams, _) = primals, tangents
+    a, log_p, log_q, t = params
+    out = logsumexp(log_f, axis=0)
+    pi = jnp.exp(log_f - out)
+    some = pi > 0
+
+    def mean(v: Array) -> Array:
+        return jnp.sum(jnp.where(some, pi * v, 0.0), axis=0)
+
+    da, dlog_p, dlog_q, dt = dparams
+    dout = jnp.zeros_like(out)
+    if not isinstance(da, SymbolicZero):  # d/da log Gamma(a + x) - log Gamma(a) + a log P
+        psi = _digamma_large(a + x) if large else digamma(a + x)
+        dout = dout + (mean(psi) - digamma(a) + log_p) / t * da
+    if not isinstance(dlog_p, SymbolicZero):
+        dout = dout + a / t * dlog_p
+    if not isinstance(dlog_q, SymbolicZero):
+        dout = dout + mean(x) / t * dlog_q
+    if not isinstance(dt, SymbolicZero):
+        dout = dout - mean(log_f - log_w) / t * dt  # the terms
+    if not isinstance(dx, SymbolicZero):
+        dout = dout + mean(_nb_score(x, a, log_q, t)[0] * dx)
+    if not isinstance(dlog_w, SymbolicZero):
+        dout = dout + mean(dlog_w)
+    return out, dout
+
+
+def _trigamma_slope_difference(a: Array, c: float) -> Array:
+    r""":math:`\psi_2(a + c) - \psi_2(c + 1)` for :math:`c \ge 64`, from the asymptotic
+    series :math:`\psi_2(z) = -z^{-2} - z^{-3} - z^{-4}/2 + z^{-6}/6 - z^{-8}/6`
+    (Abramowitz and Stegun 1964, 6.4.13; error below :math:`3z^{-10}/10`)."""
+    def psi2(z: Array) -> Array:
+        r = 1.0 / z
+        r2 = r * r
+        return -r2 * (1.0 + r + r2 * (0.5 - r2 * (1.0 / 6.0 - r2 / 6.0)))
+
+    return psi2(a + c) - psi2(jnp.full_like(a, c + 1.0))
+
+
 def _nb_tail_sum(params: tuple[Array, ...]) -> Array:
     r""":math:`\log\sum_{k \ge H} f(k)`, :math:`\log f` = :func:`_nb_term`, in a fixed
     number of evaluations, by the midpoint Euler-Maclaurin formula
@@ -427,16 +496,16 @@ def _nb_tail_sum(params: tuple[Array, ...]) -> Array:
     dtype = a.dtype
     c = _NB_HEAD - 0.5
     g1, g2 = _nb_score(jnp.asarray(c, dtype), a, log_q, t)
-    g3 = (polygamma(2, a + c) - polygamma(2, jnp.full_like(a, c + 1.0))) / t
+    g3 = _trigamma_slope_difference(a, c) / t
     em = g1 / 24.0 - 7.0 * (g3 + 3.0 * g1 * g2 + g1**3) / 5760.0  # times f(c)
     y0, width = _nb_tail_placement(params, c)
     s = jnp.asarray(_NB_NODES, dtype)[:, None]
     v = width * jnp.sinh(s)
     x = c + y0 * jnp.exp(v)
-    log_f = (_nb_term(x, params) + jnp.log(y0) + v + jnp.log(width) + jnp.log(jnp.cosh(s))
-             + math.log(_NB_STEP))
-    log_f = jnp.where(jnp.isfinite(x) & ~jnp.isnan(log_f), log_f, -jnp.inf)
-    log_int = logsumexp(log_f, axis=0)
+    log_w = jnp.log(y0) + v + jnp.log(width) + jnp.log(jnp.cosh(s)) + math.log(_NB_STEP)
+    finite = jnp.isfinite(x)  # nodes far out may overflow: weight 0
+    x, log_w = jnp.where(finite, x, c), jnp.where(finite, log_w, -jnp.inf)
+    log_int, log_f = _nb_log_sum_over(x, log_w, params, large=True)
     log_half = logsumexp(log_f[::2], axis=0) + math.log(2.0)
     log_ends = jnp.maximum(log_f[0], log_f[-1]) - log_int
     ok = (jnp.abs(log_half - log_int) < _NB_TOL) & (log_ends < math.log(_NB_TOL))
@@ -449,7 +518,8 @@ def _nb_head(params: tuple[Array, ...]) -> tuple[Array, Array]:
     rigorous tail bound :func:`_nb_tail` after them is not below float precision of it
     (the rest needs :func:`_nb_tail_sum`)."""
     dtype = params[0].dtype
-    head = logsumexp(_nb_term(jnp.arange(_NB_HEAD, dtype=dtype)[:, None], params), axis=0)
+    k = jnp.arange(_NB_HEAD, dtype=dtype)[:, None]
+    head, _ = _nb_log_sum_over(k, jnp.zeros_like(k), params)
     bound = _nb_tail(jnp.asarray(_NB_HEAD - 1.0, dtype), params)
     log_eps = math.log(float(jnp.finfo(dtype).eps))
     return head, lax.stop_gradient(bound >= head + log_eps)
