@@ -409,14 +409,18 @@ def _nb_log_sum_over(x: Array, log_w: Array, params: tuple[Array, ...],
                      large: bool = False) -> tuple[Array, Array]:
     r""":math:`\log\sum_i \exp(\log f(x_i) + \log w_i)` over the leading axis of ``x`` and
     ``log_w`` (:func:`_nb_term`; NaN terms count as 0, for the self-checks to see), and
-    the summands (no gradient: for self-checks). Each term is evaluated once, in one array
+    the summands (no gradient: for the self-checks). Each term is evaluated once, in one array
     that every consumer reads (XLA otherwise computed them once per consumer: twice the
     time); the derivative is closed-form, :math:`\sum_i \pi_i\,\partial\log f(x_i)`
     (:math:`\pi` the normalised weights): a third of the time of reverse mode. ``large``:
     every :math:`x_i \ge 64`, where :math:`\psi(a + x)` is its asymptotic series."""
-    log_f = lax.stop_gradient(_nb_term(x, params)) + log_w
+    log_f = _nb_term(x, params) + log_w
     log_f = jnp.where(jnp.isnan(log_f), -jnp.inf, log_f)
-    return _nb_weighted_log_sum(large, x, log_w, params, log_f), log_f
+    # log_f keeps its dependence on params (the rule below ignores its tangent, which
+    # repeats theirs): the rule's weights pi must see it for second derivatives (the
+    # Newton steps of log_partition's Laplace reference); a stop_gradient here made the
+    # Hessian wrong by orders of magnitude
+    return _nb_weighted_log_sum(large, x, log_w, params, log_f), lax.stop_gradient(log_f)
 
 
 def _digamma_large(z: Array) -> Array:
