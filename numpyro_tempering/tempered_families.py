@@ -241,7 +241,7 @@ def _inverse_gamma(d: npd.InverseGamma, t: Array) -> TemperedResult:
     return TemperedResult(log_z, _law(d, npd.InverseGamma, alpha_t, beta_t))
 
 
-# ---- GammaPoisson and the negative binomials: the Poisson's series with its own tail bound ----
+# ---- GammaPoisson and the negative binomials: 128 exact terms, then a tail bound or tail sum ----
 
 
 @jax.custom_jvp
