@@ -88,6 +88,7 @@ from numpyro_tempering.tempered_smc import (
     _prior_check,
     _solve_upper,
     _Target,
+    rays_beyond,
 )
 
 __all__ = ["GROWTH", "MAX_HALVINGS", "MAX_STEP", "WARM_NEWTON_STEPS", "build_ladder_runner"]
@@ -276,6 +277,7 @@ def _segment(
         carry.acc,
         carry.element,
         jnp.where(reached, 1.0, jnp.clip(covered, 0.0, 1.0)).astype(carry.log_z.dtype),
+        jnp.max(jax.vmap(_log_gamma(target, carry.beta))(carry.particles)),
     )
     return carry, out
 
@@ -332,11 +334,13 @@ def build_ladder_runner(
         def run(c: LadderCarry) -> tuple:
             return jax.lax.scan(segment, c, 1.0 / temps)
 
-        carry, (log_z, ess, stages, acc, element, lam) = jax.vmap(run)(carry)
-        prior_log_c, prior_ess, grows = _prior_check(target, key_fixed, settings, temps)
+        carry, (log_z, ess, stages, acc, element, lam, top) = jax.vmap(run)(carry)
+        prior_log_c, prior_ess, grows, ray_max = _prior_check(target, key_fixed, settings,
+                                                              temps)
         out = SMCRun(
             log_z, ess, stages, acc, element if per_element else None, lam, prior_log_c,
             prior_ess, tail_grows=grows,
+            ray_beyond=rays_beyond(ray_max, top, carry.particles.shape[-1]),
         )
         return out, carry
 

@@ -1145,12 +1145,23 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
             "method='prior' is the fallback)"
         )
     if est.missed_mass is not None and np.any(missed := flagged & est.missed_mass):
-        reasons.append(
-            f"at T = {_rounded(temps[missed][show], 4)} prior draws see more mass than the SMC "
-            f"(log C from prior draws {_rounded(np.asarray(est.prior_log_c)[missed][show], 3)} "
-            f"> SMC {_rounded(np.asarray(est.log_c)[missed][show], 3)}): a mode was missed; "
-            "the standard error is raised to at least the shortfall"
-        )
+        rays = missed & np.isinf(np.asarray(est.stderr))  # only the rays see it (ladder)
+        if est.tail_grows is not None:
+            rays &= ~np.asarray(est.tail_grows, bool)
+        if np.any(drawn := missed & ~rays):
+            reasons.append(
+                f"at T = {_rounded(temps[drawn][show], 4)} prior draws see more mass than the "
+                f"SMC (log C from prior draws "
+                f"{_rounded(np.asarray(est.prior_log_c)[drawn][show], 3)} > SMC "
+                f"{_rounded(np.asarray(est.log_c)[drawn][show], 3)}): a mode was missed; "
+                "the standard error is raised to at least the shortfall"
+            )
+        if np.any(rays):
+            reasons.append(
+                f"at T = {_rounded(temps[rays][show], 4)} points on the tail check's rays have "
+                "a higher tilted density than every particle: a mode was missed (the "
+                "standard error is infinite: the shortfall is unknown)"
+            )
     if est.tail_grows is not None and np.any(grows := flagged & np.asarray(est.tail_grows)):
         from numpyro_tempering.tempered_smc import TAIL_DOUBLINGS
 
@@ -1324,6 +1335,11 @@ def _smc_estimate(
     ) & ~one
     # never a small standard error around a value that misses mass: at least the shortfall
     stderr = np.where(missed, np.maximum(stderr, prior_log_c - log_c), stderr)
+    if out.ray_beyond is not None:  # the rays see a region no particle reached: the
+        # shortfall is unknown
+        beyond = np.asarray(out.ray_beyond, bool) & ~one & np.isfinite(log_c)
+        stderr = np.where(beyond, np.inf, stderr)
+        missed = missed | beyond
     grows = None
     if out.tail_grows is not None:  # log C most likely +inf: no finite error bar means much
         grows = np.asarray(out.tail_grows, bool) & ~one
@@ -1447,7 +1463,10 @@ def log_partition(
     through every rung in :math:`1/T`, log C read off at each); shorter ladders, or ones
     with T < 1, run one SMC per temperature (``route="per-temperature"``). On the paper's
     100-rung ladder at N = 2000 the ladder route took 99 stages in all and was within 0.01
-    nats of the closed form at every rung (``benchmarks/log_partition_ladder.py``).
+    nats of the closed form at every rung (``benchmarks/log_partition_ladder.py``). A
+    ladder that the missed-mass check flags (a mode no prior draw reaches, e.g. the far
+    minority component of a mixture prior) is run again one SMC per temperature, whose
+    Newton and grid starts can reach it (``route`` of the result says which ran).
 
     Error bars (``"smc"``): bias-aware (the log of a mean of replicates is biased low by
     about :math:`s_\delta^2/2`; replicates that disagree by several nats give a standard
@@ -1668,6 +1687,14 @@ def log_partition(
         rng_key, model, marked, selection, temps, structure, args,
         kwargs, global_names, settings, plate, fallback, progress_bar, ladder, local,
     )
+    if ladder and route == "auto" and _ladder_missed(est):
+        # the one-run ladder starts from the prior: a mode that no prior draw reaches is seen
+        # by the missed-mass check only; one SMC per temperature starts from Newton runs
+        # (and, with one global, the grid's maxima; with more, the rays) that can reach it
+        est = _smc_estimate(
+            rng_key, model, marked, selection, temps, structure, args,
+            kwargs, global_names, settings, plate, fallback, progress_bar, False, local,
+        )
     divergent = np.asarray(probe.divergent, bool)
     if est.prior_log_c is not None:  # the 16 probe draws can miss a divergent region that
         # the missed-mass check's prior draws reach (Student-t df ~ 1 + Gamma(5, 1) at
@@ -1677,6 +1704,20 @@ def log_partition(
     _warn_untrusted_smc(est, settings.max_stages)
     _warn_divergent(est, infinite)
     return est
+
+
+def _ladder_missed(est: LogPartitionEstimate) -> bool:
+    """Whether the ladder route missed a mode at some rung: the missed-mass check says so,
+    or its replicates disagree by more than ``MAX_REPLICATE_SD`` (some replicates' particles
+    reached a mode and others not: a mixture prior's far minority component, 70-80 nats
+    apart)."""
+    from numpyro_tempering.tempered_smc import MAX_REPLICATE_SD
+
+    reps = np.asarray(est.replicate_log_c, np.float64)
+    with np.errstate(invalid="ignore"):
+        spread = np.std(reps, axis=0, ddof=1) if reps.shape[0] > 1 else np.zeros(reps.shape[1])
+    return bool(np.any(est.missed_mass) or np.any(np.isfinite(spread)
+                                                  & (spread > MAX_REPLICATE_SD)))
 
 
 def _with_divergent(est: LogPartitionEstimate, divergent: np.ndarray) -> LogPartitionEstimate:

@@ -29,9 +29,15 @@ draws fails (the failure mode of issue 11). Here it is estimated like an evidenc
   component covers the rest, and the incremental weights give each mode its mass. With one
   global coordinate, ``GRID_STARTS`` more Newton runs start from the largest local maxima
   of the tilted target on a grid of ``GRID_POINTS`` over the prior's centre
-  :math:`\pm` ``GRID_REACH`` prior sds: a narrow mode whose basin no prior draw reaches
-  (width 0.1 at 5 prior sds, dominant at N = 500) was missed by 47-97 nats with a standard
-  error of 0.05 and no flag. Each
+  :math:`\pm` ``GRID_REACH`` prior sds (fine at the centre, coarser with the distance): a
+  narrow mode whose basin no prior draw reaches (width 0.1 at 5 prior sds, dominant at
+  N = 500) was missed by 47-97 nats with a standard error of 0.05 and no flag, and so was
+  the minority component of a mixture prior 27 of its sds away (weight 0.001, which 36%
+  of the keys' 1024 prior draws never visit: 60-126 nats low) while the grid reached 8
+  sds. With several global coordinates, ``RAY_STARTS`` Newton runs start from the points
+  of the tail check's rays (:func:`_rays`) where the tilted target is largest, when it is
+  larger there than at every prior start (that minority component, as one coordinate of
+  two: 60-126 nats low, unflagged, for the same keys). Each
   stage picks the next :math:`\lambda` so that the incremental weights keep an ESS of
   ``target_ess`` of the particles, resamples (systematic), and moves the particles with
   ``num_mcmc_steps`` HMC steps targeting the current stage. The product of the stages'
@@ -109,6 +115,7 @@ __all__ = [
     "SMCSettings",
     "flag_smc",
     "missed_mass",
+    "rays_beyond",
     "replicate_covariance",
     "t_factor",
 ]
@@ -125,11 +132,23 @@ MIN_PRIOR_ESS = 20.0
 #: the Laplace reference's covariance is the inverse Hessian times this squared
 REFERENCE_INFLATION = 1.5
 #: one global coordinate: Newton runs also start from the GRID_STARTS largest local maxima
-#: of log p(u) + L_T(u) on GRID_POINTS points over the prior draws' median +- GRID_REACH
-#: of their sds (spacing 1/32 sd: a bump of width 0.1 sd is seen by three points)
+#: of log p(u) + L_T(u) (those within GRID_START_DROP nats of the largest) on GRID_POINTS
+#: points over the prior draws' median +- GRID_REACH of their robust sds (as far as the tail
+#: check's rays), spaced GRID_CENTRE_STEP sd at the centre and growing with the distance
+#: (a sinh map: 0.04 sd at 5 sds, 0.15 sd at 30 sds; a bump of width 0.1 sd at 5 sds is
+#: seen by two to three points)
 GRID_STARTS = 4
-GRID_POINTS = 513
-GRID_REACH = 8.0
+GRID_START_DROP = 30.0
+GRID_POINTS = 2049
+GRID_REACH = 512.0
+GRID_CENTRE_STEP = 1.0 / 32.0
+#: several global coordinates: Newton runs also start from the RAY_STARTS points of the
+#: tail check's rays (each coordinate, both ways, out to 512 robust prior scales) where the
+#: tilted target is largest, if it is larger there than at every prior start
+RAY_STARTS = 2
+#: the ladder's ray check (:func:`rays_beyond`): a ray point whose log p + L_T exceeds the
+#: largest at the particles by more than D/2 + RAY_MARGIN nats lies where no particle went
+RAY_MARGIN = 5.0
 #: damped Newton steps to the mode of the tilted target (the Laplace reference)
 NEWTON_STEPS = 30
 
@@ -179,6 +198,7 @@ class SMCRun(NamedTuple):
     prior_ess: jax.Array  # (M,): Kish ESS of those draws' weights
     quad_error: jax.Array | None = None  # (R, M): measured quadrature error of log C-hat
     tail_grows: jax.Array | None = None  # (M,): the integrand still grows far out (tail_grows)
+    ray_beyond: jax.Array | None = None  # (M,): a ray point beats every particle (rays_beyond)
 
 
 def flag_smc(
@@ -700,16 +720,18 @@ def _prior_check(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The missed-mass check's inputs (:func:`missed_mass`), per temperature: the log of the
     mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS;
-    and whether the integrand still grows far out (:func:`tail_grows`, on the rays of
-    :func:`_rays`, evaluated with the draws).
+    whether the integrand still grows far out (:func:`tail_grows`, on the rays of
+    :func:`_rays`, evaluated with the draws); and its largest value on the rays (for
+    :func:`rays_beyond`).
     With one global coordinate, also the trapezoid rule for :math:`C(T)` on the grid of
-    :func:`_grid_starts` (spacing 1/32 prior sd over +- 8 sds), and whichever of the two is
-    larger, with its points' Kish ESS: a mode no prior draw reaches is seen by the grid
-    (the ladder route, whose particles come from the prior, missed a bump of width 0.1 at 5
-    prior sds by 13-97 nats with standard errors of 0.03 and no flag). The trapezoid is
-    exact to rounding for a mode wider than a few grid steps; for a narrower one its error
-    can reach a factor of ~2, but its ESS is then below ``MIN_PRIOR_ESS`` and only a
-    shortfall beyond log 1000 is flagged."""
+    :func:`_grid` (spacing 1/32 prior sd at the centre, out to +- ``GRID_REACH`` sds), and
+    whichever of the two is larger, with its points' Kish ESS: a mode no prior draw reaches
+    is seen by the grid (the ladder route, whose particles come from the prior, missed a
+    bump of width 0.1 at 5 prior sds by 13-97 nats with standard errors of 0.03 and no
+    flag). The trapezoid is exact to rounding for a mode wider than a few grid steps; for a
+    narrower one its error can reach the ratio of the grid's spacing to the mode's width,
+    but its ESS is then below ``MIN_PRIOR_ESS`` and only a shortfall beyond log 1000 is
+    flagged."""
     key_prior = random.split(random.fold_in(key_fixed, 1))[1]
     draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
     on_grid = draws.shape[-1] == 1
@@ -722,20 +744,40 @@ def _prior_check(
 
     def prior_check(t: jax.Array) -> tuple:
         both = jax.vmap(lambda u: target.pieces(u, t)[0])(jnp.concatenate([draws, rays]))
-        log_w, grows = both[: draws.shape[0]], tail_grows(ray_prior + both[draws.shape[0]:])
+        on_rays = ray_prior + both[draws.shape[0]:]
+        log_w, grows = both[: draws.shape[0]], tail_grows(on_rays)
+        ray_max = jnp.max(jnp.where(jnp.isnan(on_rays), -jnp.inf, on_rays))
         log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
         log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
         if not on_grid:
-            return log_mean, kish(log_w), grows
-        grid = _grid(draws)
-        f = _on_grid(target, t, grid)
-        ends = jnp.zeros(GRID_POINTS, f.dtype).at[jnp.array([0, -1])].set(math.log(2.0))
-        log_trap = logsumexp(f - ends) + jnp.log(grid[1] - grid[0])
+            return log_mean, kish(log_w), grows, ray_max
+        points, log_weights = _grid(draws)
+        f = _on_grid(target, t, points) + log_weights
+        log_trap = logsumexp(f)
         use_grid = log_trap > log_mean
         return (jnp.where(use_grid, log_trap, log_mean),
-                jnp.where(use_grid, kish(f), kish(log_w)), grows)
+                jnp.where(use_grid, kish(f), kish(log_w)), grows, ray_max)
 
     return jax.lax.map(prior_check, temps)
+
+
+def rays_beyond(ray_max: jax.Array, particle_max: jax.Array, dim: int) -> jax.Array:
+    r"""Whether a point of the tail check's rays (:func:`_rays`) has a tilted density
+    :math:`\log p(u) + L_T(u)` (largest ``ray_max``, ``(M,)``) above the largest at the
+    final particles (``particle_max``, ``(R, M)``, over every replicate) by more than
+    ``dim / 2 + RAY_MARGIN`` nats: a region of higher density than any particle reached,
+    i.e. a missed mode. (Draws from a D-dimensional Gaussian mode fall about D/2 nats below
+    its peak, the best of P draws less; a ray point cannot beat the peak.) The ladder route
+    walks from the prior and has no Newton starts on the rays; a mixture prior's far
+    minority component, one coordinate of two, was missed there by 173 nats with a
+    standard error of 0 and no flag.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> rays_beyond(jnp.array([3.0, 30.0]), jnp.array([[2.0, 2.0], [1.0, 4.0]]), 4).tolist()
+        [False, True]
+    """
+    return ray_max > jnp.max(particle_max, axis=0) + dim / 2 + RAY_MARGIN
 
 
 def global_log_prior(tr: dict, global_names: tuple[str, ...], dtype: Any) -> jax.Array:
@@ -755,30 +797,64 @@ def global_log_prior(tr: dict, global_names: tuple[str, ...], dtype: Any) -> jax
     return log_p
 
 
-def _grid(draws: jax.Array) -> jax.Array:
-    """(GRID_POINTS,): the prior draws' median +- GRID_REACH of their robust scale (one
-    global, :func:`_robust_centre_scale`)."""
+def _grid_map() -> tuple[float, float]:
+    """(A, h) of the grid's map ``x_k = A sinh(k h)``, ``k = -n..n`` (``2 n + 1 =
+    GRID_POINTS``): spacing ``A h = GRID_CENTRE_STEP`` at 0 and ``A sinh(n h) = GRID_REACH``
+    (``sinh(y) = c y`` for ``y = n h``, solved by fixed-point steps ``y = asinh(c y)``)."""
+    n = (GRID_POINTS - 1) // 2
+    c = GRID_REACH / (GRID_CENTRE_STEP * n)
+    y = math.asinh(c)
+    for _ in range(100):
+        y = math.asinh(c * y)
+    h = y / n
+    return GRID_CENTRE_STEP / h, h
+
+
+def _grid(draws: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(GRID_POINTS,) points and their trapezoid log-weights (the ends halved): the prior
+    draws' median + their robust scale (one global, :func:`_robust_centre_scale`) times
+    ``A sinh(k h)`` (:func:`_grid_map`), out to +- GRID_REACH scales."""
     centre, sd = _robust_centre_scale(draws[:, :1])
-    return centre[0] + sd[0] * jnp.linspace(-GRID_REACH, GRID_REACH, GRID_POINTS,
-                                            dtype=draws.dtype)
+    a, h = _grid_map()
+    n = (GRID_POINTS - 1) // 2
+    s = h * jnp.arange(-n, n + 1, dtype=draws.dtype)
+    points = centre[0] + sd[0] * a * jnp.sinh(s)
+    ends = jnp.zeros(GRID_POINTS, draws.dtype).at[jnp.array([0, -1])].set(math.log(2.0))
+    return points, jnp.log(sd[0] * a * h) + jnp.log(jnp.cosh(s)) - ends
 
 
 def _on_grid(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
-    """log p(u) + L_T(u) at the grid's points (-inf where NaN)."""
-    f = jax.vmap(lambda u: target.log_prior(u[None]) + target.pieces(u[None], t)[0])(grid)
+    """log p(u) + L_T(u) at the grid's points (-inf where NaN), 256 points at a time."""
+    f = jax.lax.map(lambda u: target.log_prior(u[None]) + target.pieces(u[None], t)[0],
+                    grid, batch_size=256)
     return jnp.where(jnp.isnan(f), -jnp.inf, f)
 
 
 def _grid_starts(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
-    """(GRID_STARTS, 1): the largest local maxima of the tilted target on the ``grid`` of
-    :func:`_grid` (one global coordinate); where there are fewer maxima, the largest again."""
+    """(GRID_STARTS, 1): the largest local maxima of the tilted target on the ``grid``
+    points of :func:`_grid` (one global coordinate); where there are fewer maxima within
+    ``GRID_START_DROP`` nats of the largest (a plateau of rounding far out is no mode), the
+    largest again."""
     f = _on_grid(target, t, grid)
     low = jnp.full((1,), -jnp.inf, f.dtype)
     left, right = jnp.concatenate([low, f[:-1]]), jnp.concatenate([f[1:], low])
-    score = jnp.where((f >= left) & (f >= right) & jnp.isfinite(f), f, -jnp.inf)
+    peak = (f >= left) & (f >= right) & jnp.isfinite(f) & (f >= jnp.max(f) - GRID_START_DROP)
+    score = jnp.where(peak, f, -jnp.inf)
     value, index = jax.lax.top_k(score, GRID_STARTS)
     index = jnp.where(jnp.isfinite(value), index, index[0])
     return grid[index][:, None]
+
+
+def _ray_starts(target: _Target, t: jax.Array, rays: jax.Array, starts: jax.Array) -> jax.Array:
+    """(RAY_STARTS, D): the points of the tail check's ``rays`` (:func:`_rays`) where the
+    tilted target is largest, each kept where it is larger there than at every prior start
+    of ``starts`` (a far mode's slope; else the first start again: a repeated component)."""
+    both = jnp.concatenate([rays, starts])
+    f = jax.vmap(lambda u: target.log_prior(u) + target.pieces(u, t)[0])(both)
+    f = jnp.where(jnp.isnan(f), -jnp.inf, f)
+    value, index = jax.lax.top_k(f[: rays.shape[0]], RAY_STARTS)
+    better = jnp.isfinite(value) & (value > jnp.max(f[rays.shape[0]:]))
+    return jnp.where(better[:, None], rays[index], starts[0])
 
 
 def build_runner(
@@ -802,13 +878,14 @@ def build_runner(
         if settings.reference == "laplace":
             starts = jax.vmap(target.init)(random.split(key_starts, settings.num_starts))
             on_grid = starts.shape[-1] == 1
-            if on_grid:
-                grid = _grid(jax.vmap(target.init)(
-                    random.split(random.fold_in(key_starts, 1), 256)))
+            draws = jax.vmap(target.init)(random.split(random.fold_in(key_starts, 1), 256))
+            grid, _ = _grid(draws) if on_grid else (None, None)
+            rays = _rays(draws)
 
             def laplace_all(t: jax.Array) -> tuple:
-                both = jnp.concatenate([starts, _grid_starts(target, t, grid)]) if on_grid \
-                    else starts
+                extra = _grid_starts(target, t, grid) if on_grid else _ray_starts(
+                    target, t, rays, starts)
+                both = jnp.concatenate([starts, extra])
                 return jax.vmap(lambda u: _laplace(target, t, u))(both)
 
             refs = jax.vmap(laplace_all)(temps)  # (M, K, D), (M, K, D, D)
@@ -819,7 +896,7 @@ def build_runner(
             return _smc(target, settings, k, t, ref, per_element)
 
         out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
-        prior_log_c, prior_ess, grows = _prior_check(target, key_fixed, settings, temps)
+        prior_log_c, prior_ess, grows, _ = _prior_check(target, key_fixed, settings, temps)
         return SMCRun(*out, prior_log_c, prior_ess, tail_grows=grows)
 
     return run
