@@ -146,7 +146,7 @@ GRID_CENTRE_STEP = 1.0 / 32.0
 #: tail check's rays (each coordinate, both ways, out to 512 robust prior scales) where the
 #: tilted target is largest, if it is larger there than at every prior start
 RAY_STARTS = 2
-#: the ladder's ray check (:func:`rays_beyond`): a ray point whose log p + L_T exceeds the
+#: the ray check (:func:`rays_beyond`): a ray point whose log p + L_T exceeds the
 #: largest at the particles by more than D/2 + RAY_MARGIN nats lies where no particle went
 RAY_MARGIN = 5.0
 #: damped Newton steps to the mode of the tilted target (the Laplace reference)
@@ -535,13 +535,14 @@ def _laplace(
 def _smc(
     target: _Target, settings: SMCSettings, key: jax.Array, temperature: jax.Array,
     reference: tuple[jax.Array, jax.Array] | None, per_element: bool,
-    final: Callable | None = None,
+    final: Callable | None = None, top: bool = False,
 ) -> tuple:
     """One adaptive tempered SMC run at one temperature: (log C-hat, final ESS, stages,
     last acceptance, E_final[log c_n] or None, lambda reached), and with ``final``
     (``x -> (value, the target's per-element log c_n)``, evaluated 64 particles at a time;
     its per-element values stand in for the target's) also the weighted mean of its
-    value over the final particles."""
+    value over the final particles; with ``top`` also the largest ``log p + L_T`` at the
+    final particles (for :func:`rays_beyond`)."""
     num = settings.num_particles
     key_init, key_loop = random.split(key)
     if reference is None:  # path from the prior
@@ -651,8 +652,9 @@ def _smc(
     element = None
     if final is not None:  # its per-element values are the target's (one evaluation)
         values, element = jax.lax.map(final, state.particles, batch_size=64)
-    elif per_element:
-        element = jax.vmap(lambda u: target.pieces(u, temperature)[1])(state.particles)
+    elif per_element or top:  # one evaluation of the target for both
+        log_p, (total, element, _) = jax.vmap(
+            lambda u: (target.log_prior(u), target.pieces(u, temperature)))(state.particles)
     if per_element:
         element = jnp.sum(state.weights[:, None] * element, 0)
     else:
@@ -660,6 +662,9 @@ def _smc(
     out = (log_z, ess, stages, acc, element, state.tempering_param)
     if final is not None:
         out = (*out, jnp.sum(state.weights * values))
+    elif top:
+        f = log_p + total
+        out = (*out, jnp.max(jnp.where(jnp.isnan(f), -jnp.inf, f)))
     return out
 
 
@@ -770,7 +775,8 @@ def rays_beyond(ray_max: jax.Array, particle_max: jax.Array, dim: int) -> jax.Ar
     its peak, the best of P draws less; a ray point cannot beat the peak.) The ladder route
     walks from the prior and has no Newton starts on the rays; a mixture prior's far
     minority component, one coordinate of two, was missed there by 173 nats with a
-    standard error of 0 and no flag.
+    standard error of 0 and no flag. One SMC per temperature starts Newton runs from the
+    rays (:func:`_ray_starts`) and is checked the same way, in case they did not reach it.
 
     Example:
         >>> import jax.numpy as jnp
@@ -893,10 +899,13 @@ def build_runner(
             refs = None
 
         def one(k: jax.Array, t: jax.Array, ref: Any) -> tuple:
-            return _smc(target, settings, k, t, ref, per_element)
+            return _smc(target, settings, k, t, ref, per_element, top=True)
 
-        out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
-        prior_log_c, prior_ess, grows, _ = _prior_check(target, key_fixed, settings, temps)
-        return SMCRun(*out, prior_log_c, prior_ess, tail_grows=grows)
+        *out, top = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
+        prior_log_c, prior_ess, grows, ray_max = _prior_check(target, key_fixed, settings,
+                                                              temps)
+        dim = jax.eval_shape(target.init, key_fixed).shape[-1]
+        return SMCRun(*out, prior_log_c, prior_ess, tail_grows=grows,
+                      ray_beyond=rays_beyond(ray_max, top, dim))
 
     return run

@@ -362,6 +362,30 @@ def test_the_minority_component_as_one_of_two_globals_is_flagged_by_the_ladder_a
     check_mixture_prior(est, exact)
 
 
+def test_an_smc_from_the_prior_that_misses_the_minority_component_is_caught_by_the_rays():
+    """One SMC per temperature with no Newton starts (``reference="prior"``: a path from
+    the prior, as the ladder's) on the two-global model of key 4: no particle reaches the
+    minority component at T = 1.5, and the tail check's rays see a tilted density far above
+    every particle's (tempered_smc.rays_beyond); at T = 3 one replicate's particles reach it
+    too late to weigh it (207 against 304.6): its replicates disagree by tens of nats, and
+    that flags it (tempered_smc.flag_smc)."""
+    from numpyro_tempering import partition_function as pf
+    from numpyro_tempering.handlers import Selection
+    from numpyro_tempering.tempered_smc import MAX_REPLICATE_SD, SMCSettings, build_runner
+
+    marked = pf._marked(mixture_prior_two_globals, Selection.of(None, (), (), False))
+    runner = build_runner(marked, (jnp.zeros(MIX_N),), {}, "data", None, ("mu", "b"),
+                          SMCSettings(num_particles=64, num_replicates=2, reference="prior"),
+                          False)
+    temps = np.array([1.5, 3.0])
+    out = jax.jit(runner)(jax.random.PRNGKey(4), jnp.asarray(temps, jnp.float32))
+    exact = np.array([mixture_prior_exact(T, 2) for T in temps])
+    log_z = np.asarray(out.log_z, np.float64)
+    assert np.all(np.log(np.mean(np.exp(log_z - exact), 0)) < -50.0)  # it missed the mode
+    beyond = np.asarray(out.ray_beyond)
+    assert beyond[0] and np.all(beyond | (np.std(log_z, 0, ddof=1) > MAX_REPLICATE_SD))
+
+
 def test_a_divergent_integral_over_the_globals_is_flagged():
     """tau ~ Gamma(10, 10), x_n ~ N(0, tau^-1/2), N = 50: log C(T) = N/2 log T + k/2 log 2 pi
     + log E[tau^(-k/2)], k = N (1 - 1/T), finite only while k/2 < 10 (T < 5/3): the tempered
