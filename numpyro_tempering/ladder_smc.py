@@ -83,6 +83,7 @@ from numpyro_tempering.tempered_smc import (
     SMCRun,
     SMCSettings,
     _build_target,
+    _log_tilted,
     _newton,
     _precision_factor,
     _prior_check,
@@ -124,16 +125,6 @@ class LadderCarry(NamedTuple):
     acc: jax.Array  # mean HMC acceptance of the last stage
     element: jax.Array  # (E,) weighted mean of log c_n at the last stage (or (0,))
     bad: jax.Array  # a non-finite log C-hat stopped the run
-
-
-def _log_gamma(target: _Target, beta: jax.Array) -> Callable:
-    """``u -> log p(u) + L_{1/beta}(u)``, NaN mapped to -inf."""
-
-    def fn(u: jax.Array) -> jax.Array:
-        value = target.log_prior(u) + target.pieces(u, 1.0 / beta)[0]
-        return jnp.where(jnp.isnan(value), -jnp.inf, value)
-
-    return fn
 
 
 def _log_gamma_parts(target: _Target, beta: jax.Array) -> Callable:
@@ -242,7 +233,7 @@ def _stage(
         tempered.TemperedSMCState(moved, weights, 0.0),
         settings.num_mcmc_steps,
         params,
-        _log_gamma(target, b_new),
+        _log_tilted(target, 1.0 / b_new),
         lambda x: jnp.zeros((), u.dtype),
     )
     acc = jnp.mean(info.update_info.acceptance_rate)
@@ -277,7 +268,7 @@ def _segment(
         carry.acc,
         carry.element,
         jnp.where(reached, 1.0, jnp.clip(covered, 0.0, 1.0)).astype(carry.log_z.dtype),
-        jnp.max(jax.vmap(_log_gamma(target, carry.beta))(carry.particles)),
+        jnp.max(jax.vmap(_log_tilted(target, 1.0 / carry.beta))(carry.particles)),
     )
     return carry, out
 

@@ -1464,9 +1464,11 @@ def log_partition(
     with T < 1, run one SMC per temperature (``route="per-temperature"``). On the paper's
     100-rung ladder at N = 2000 the ladder route took 99 stages in all and was within 0.01
     nats of the closed form at every rung (``benchmarks/log_partition_ladder.py``). A
-    ladder that the missed-mass check flags (a mode no prior draw reaches, e.g. the far
-    minority component of a mixture prior) is run again one SMC per temperature, whose
-    Newton and grid starts can reach it (``route`` of the result says which ran).
+    ladder that the missed-mass or ray check flags, or whose replicates disagree by more
+    than ``MAX_REPLICATE_SD`` (a mode no prior draw reaches, e.g. the far minority
+    component of a mixture prior), is run again one SMC per temperature, whose Newton
+    starts from the grid or the rays can reach it (``route`` of the result says which
+    ran).
 
     Error bars (``"smc"``): bias-aware (the log of a mean of replicates is biased low by
     about :math:`s_\delta^2/2`; replicates that disagree by several nats give a standard

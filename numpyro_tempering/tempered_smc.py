@@ -722,7 +722,7 @@ def tail_grows(values: jax.Array) -> jax.Array:
 
 def _prior_check(
     target: _Target, key_fixed: jax.Array, settings: SMCSettings, temps: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The missed-mass check's inputs (:func:`missed_mass`), per temperature: the log of the
     mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS;
     whether the integrand still grows far out (:func:`tail_grows`, on the rays of
@@ -829,11 +829,19 @@ def _grid(draws: jax.Array) -> tuple[jax.Array, jax.Array]:
     return points, jnp.log(sd[0] * a * h) + jnp.log(jnp.cosh(s)) - ends
 
 
+def _log_tilted(target: _Target, temperature: jax.Array) -> Callable:
+    """``u -> log p(u) + L_T(u)``, the tilted target's log density, NaN mapped to -inf."""
+
+    def fn(u: jax.Array) -> jax.Array:
+        value = target.log_prior(u) + target.pieces(u, temperature)[0]
+        return jnp.where(jnp.isnan(value), -jnp.inf, value)
+
+    return fn
+
+
 def _on_grid(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
     """log p(u) + L_T(u) at the grid's points (-inf where NaN), 256 points at a time."""
-    f = jax.lax.map(lambda u: target.log_prior(u[None]) + target.pieces(u[None], t)[0],
-                    grid, batch_size=256)
-    return jnp.where(jnp.isnan(f), -jnp.inf, f)
+    return jax.lax.map(_log_tilted(target, t), grid[:, None], batch_size=256)
 
 
 def _grid_starts(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
@@ -855,9 +863,7 @@ def _ray_starts(target: _Target, t: jax.Array, rays: jax.Array, starts: jax.Arra
     """(RAY_STARTS, D): the points of the tail check's ``rays`` (:func:`_rays`) where the
     tilted target is largest, each kept where it is larger there than at every prior start
     of ``starts`` (a far mode's slope; else the first start again: a repeated component)."""
-    both = jnp.concatenate([rays, starts])
-    f = jax.vmap(lambda u: target.log_prior(u) + target.pieces(u, t)[0])(both)
-    f = jnp.where(jnp.isnan(f), -jnp.inf, f)
+    f = jax.vmap(_log_tilted(target, t))(jnp.concatenate([rays, starts]))
     value, index = jax.lax.top_k(f[: rays.shape[0]], RAY_STARTS)
     better = jnp.isfinite(value) & (value > jnp.max(f[rays.shape[0]:]))
     return jnp.where(better[:, None], rays[index], starts[0])
