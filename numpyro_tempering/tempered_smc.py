@@ -115,6 +115,8 @@ __all__ = [
     "SMCSettings",
     "flag_smc",
     "missed_mass",
+    "extra_starts",
+    "prior_check_at",
     "rays_beyond",
     "replicate_covariance",
     "t_factor",
@@ -652,6 +654,9 @@ def _smc(
     element = None
     if final is not None:  # its per-element values are the target's (one evaluation)
         values, element = jax.lax.map(final, state.particles, batch_size=64)
+        if top:
+            log_p = jax.vmap(target.log_prior)(state.particles)
+            total = jnp.sum(element, -1)
     elif per_element or top:  # one evaluation of the target for both
         log_p, (total, element, _) = jax.vmap(
             lambda u: (target.log_prior(u), target.pieces(u, temperature)))(state.particles)
@@ -662,7 +667,7 @@ def _smc(
     out = (log_z, ess, stages, acc, element, state.tempering_param)
     if final is not None:
         out = (*out, jnp.sum(state.weights * values))
-    elif top:
+    if top:
         f = log_p + total
         out = (*out, jnp.max(jnp.where(jnp.isnan(f), -jnp.inf, f)))
     return out
@@ -720,14 +725,19 @@ def tail_grows(values: jax.Array) -> jax.Array:
     return jnp.any(enough & rising)
 
 
-def _prior_check(
-    target: _Target, key_fixed: jax.Array, settings: SMCSettings, temps: jax.Array
+def _kish(log_w: jax.Array) -> jax.Array:
+    """Kish's effective sample size of the weights ``e^log_w``."""
+    w = jnp.exp(log_w - jnp.max(log_w))
+    return jnp.sum(w) ** 2 / jnp.sum(w**2)
+
+
+def prior_check_at(
+    target: _Target, t: jax.Array, draws: jax.Array, batch_size: int = 256
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The missed-mass check's inputs (:func:`missed_mass`), per temperature: the log of the
-    mean of :math:`e^{L_T}` over ``num_prior_draws`` prior draws, and the draws' Kish ESS;
-    whether the integrand still grows far out (:func:`tail_grows`, on the rays of
-    :func:`_rays`, evaluated with the draws); and its largest value on the rays (for
-    :func:`rays_beyond`).
+    """The missed-mass check's inputs (:func:`missed_mass`) at one temperature ``t``, from
+    the prior ``draws`` (S, D): the log of the mean of :math:`e^{L_T}` over the draws, and
+    their Kish ESS; whether the integrand still grows far out (:func:`tail_grows`, on the
+    rays of :func:`_rays`); and its largest value on the rays (for :func:`rays_beyond`).
     With one global coordinate, also the trapezoid rule for :math:`C(T)` on the grid of
     :func:`_grid` (spacing 1/32 prior sd at the centre, out to +- ``GRID_REACH`` sds), and
     whichever of the two is larger, with its points' Kish ESS: a mode no prior draw reaches
@@ -736,34 +746,38 @@ def _prior_check(
     flag). The trapezoid is exact to rounding for a mode wider than a few grid steps; for a
     narrower one its error can reach the ratio of the grid's spacing to the mode's width,
     but its ESS is then below ``MIN_PRIOR_ESS`` and only a shortfall beyond log 1000 is
-    flagged."""
+    flagged. ``batch_size``: the target is evaluated at that many points at a time."""
+    rays = _rays(draws)
+    num, num_rays = draws.shape[0], rays.shape[0]
+    on_grid = draws.shape[-1] == 1
+    grid, log_weights = _grid(draws) if on_grid else (None, None)
+    points = jnp.concatenate([draws, rays, grid[:, None]] if on_grid else [draws, rays])
+    # one evaluation site for every point (each is a copy of the model in the program)
+    log_p, log_l = _in_batches(
+        lambda u: (target.log_prior(u), target.pieces(u, t)[0]), points, batch_size)
+    on_rays = log_p[num:num + num_rays] + log_l[num:num + num_rays]
+    log_w, grows = log_l[:num], tail_grows(on_rays)
+    ray_max = jnp.max(jnp.where(jnp.isnan(on_rays), -jnp.inf, on_rays))
+    log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
+    log_mean = logsumexp(log_w) - math.log(num)
+    if not on_grid:
+        return log_mean, _kish(log_w), grows, ray_max
+    f = log_p[num + num_rays:] + log_l[num + num_rays:]
+    f = jnp.where(jnp.isnan(f), -jnp.inf, f) + log_weights
+    log_trap = logsumexp(f)
+    use_grid = log_trap > log_mean
+    return (jnp.where(use_grid, log_trap, log_mean),
+            jnp.where(use_grid, _kish(f), _kish(log_w)), grows, ray_max)
+
+
+def _prior_check(
+    target: _Target, key_fixed: jax.Array, settings: SMCSettings, temps: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """:func:`prior_check_at` at every temperature of ``temps``, with ``num_prior_draws``
+    prior draws."""
     key_prior = random.split(random.fold_in(key_fixed, 1))[1]
     draws = jax.vmap(target.init)(random.split(key_prior, settings.num_prior_draws))
-    on_grid = draws.shape[-1] == 1
-    rays = _rays(draws)
-    ray_prior = jax.vmap(target.log_prior)(rays)
-
-    def kish(log_w: jax.Array) -> jax.Array:
-        w = jnp.exp(log_w - jnp.max(log_w))
-        return jnp.sum(w) ** 2 / jnp.sum(w**2)
-
-    def prior_check(t: jax.Array) -> tuple:
-        both = jax.vmap(lambda u: target.pieces(u, t)[0])(jnp.concatenate([draws, rays]))
-        on_rays = ray_prior + both[draws.shape[0]:]
-        log_w, grows = both[: draws.shape[0]], tail_grows(on_rays)
-        ray_max = jnp.max(jnp.where(jnp.isnan(on_rays), -jnp.inf, on_rays))
-        log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
-        log_mean = logsumexp(log_w) - math.log(log_w.shape[0])
-        if not on_grid:
-            return log_mean, kish(log_w), grows, ray_max
-        points, log_weights = _grid(draws)
-        f = _on_grid(target, t, points) + log_weights
-        log_trap = logsumexp(f)
-        use_grid = log_trap > log_mean
-        return (jnp.where(use_grid, log_trap, log_mean),
-                jnp.where(use_grid, kish(f), kish(log_w)), grows, ray_max)
-
-    return jax.lax.map(prior_check, temps)
+    return jax.lax.map(lambda t: prior_check_at(target, t, draws), temps)
 
 
 def rays_beyond(ray_max: jax.Array, particle_max: jax.Array, dim: int) -> jax.Array:
@@ -839,9 +853,19 @@ def _log_tilted(target: _Target, temperature: jax.Array) -> Callable:
     return fn
 
 
+def _in_batches(fn: Callable, points: jax.Array, batch_size: int) -> Any:
+    """``fn`` at each of ``points`` (S, D), ``batch_size`` points at a time, the points padded
+    to a multiple of it (``lax.map`` would evaluate a remainder at a second site, i.e. a
+    second copy of ``fn`` in the compiled program)."""
+    pad = -points.shape[0] % batch_size
+    padded = jnp.concatenate([points, jnp.repeat(points[:1], pad, axis=0)])
+    out = jax.lax.map(fn, padded, batch_size=batch_size)
+    return jax.tree.map(lambda a: a[: points.shape[0]], out)
+
+
 def _on_grid(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
     """log p(u) + L_T(u) at the grid's points (-inf where NaN), 256 points at a time."""
-    return jax.lax.map(_log_tilted(target, t), grid[:, None], batch_size=256)
+    return _in_batches(_log_tilted(target, t), grid[:, None], 256)
 
 
 def _grid_starts(target: _Target, t: jax.Array, grid: jax.Array) -> jax.Array:
@@ -869,6 +893,17 @@ def _ray_starts(target: _Target, t: jax.Array, rays: jax.Array, starts: jax.Arra
     return jnp.where(better[:, None], rays[index], starts[0])
 
 
+def extra_starts(target: _Target, t: jax.Array, starts: jax.Array, draws: jax.Array
+                 ) -> jax.Array:
+    """The Newton starts beyond the prior ``starts`` (K, D) that reach modes no prior draw
+    reaches, from the prior ``draws`` (S, D): one global coordinate, the grid's maxima
+    (:func:`_grid_starts` on :func:`_grid`); several, the rays' highest points
+    (:func:`_ray_starts` on :func:`_rays`)."""
+    if starts.shape[-1] == 1:
+        return _grid_starts(target, t, _grid(draws)[0])
+    return _ray_starts(target, t, _rays(draws), starts)
+
+
 def build_runner(
     marked: Callable,
     args: tuple,
@@ -889,15 +924,10 @@ def build_runner(
         key_starts = random.split(random.fold_in(key_fixed, 1))[0]
         if settings.reference == "laplace":
             starts = jax.vmap(target.init)(random.split(key_starts, settings.num_starts))
-            on_grid = starts.shape[-1] == 1
             draws = jax.vmap(target.init)(random.split(random.fold_in(key_starts, 1), 256))
-            grid, _ = _grid(draws) if on_grid else (None, None)
-            rays = _rays(draws)
 
             def laplace_all(t: jax.Array) -> tuple:
-                extra = _grid_starts(target, t, grid) if on_grid else _ray_starts(
-                    target, t, rays, starts)
-                both = jnp.concatenate([starts, extra])
+                both = jnp.concatenate([starts, extra_starts(target, t, starts, draws)])
                 return jax.vmap(lambda u: _laplace(target, t, u))(both)
 
             refs = jax.vmap(laplace_all)(temps)  # (M, K, D), (M, K, D, D)
