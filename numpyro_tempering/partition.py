@@ -1421,15 +1421,9 @@ def _mixture_nodes(d: Distribution, t: Array) -> tuple[Array, Array]:
     )
 
 
-def _mixture_log_z(d: Distribution, t: Array) -> Array:
-    r"""``log int (sum_k w_k p_k(x))^{1/T} dx`` by quadrature, split over the components.
-
-    The integrand is multiplied by the partition of unity
-    :math:`\rho_k(x) \propto (w_k p_k(x))^{1/T}` (:math:`\sum_k \rho_k = 1`) and each piece
-    integrated with a rule centred on component :math:`k`: separated or narrow components
-    are resolved however far apart they are.
-    """
-    x, log_w = _mixture_nodes(d, t)  # (K, Q, *TB)
+def _mixture_log_f(d: Distribution, x: Array, t: Array, log_w: Array) -> Array:
+    """The tempered integrand times the partition of unity, plus the log weights, at the
+    nodes ``x`` ``(K, Q, *TB)`` (:func:`_mixture_log_z`)."""
     k = x.shape[0]
     log_p = _finite_log_prob(d.log_prob(x))
     # floored: far out every component underflows (the integrand is 0 there anyway)
@@ -1440,8 +1434,30 @@ def _mixture_log_z(d: Distribution, t: Array) -> Array:
     # where the density underflows, the integrand is 0 whatever log_rho is: compiled, the
     # log-sum-exp of the floored values came out -inf (eager: finite), and log_rho +inf made
     # -inf + inf = NaN at the far nodes of every two-Normal mixture (found by a probe)
-    log_f = jnp.where(log_p == -jnp.inf, -jnp.inf, log_p / t + log_rho + log_w)
-    return _checked_integral(log_f, t, (0, 1))
+    return jnp.where(log_p == -jnp.inf, -jnp.inf, log_p / t + log_rho + log_w)
+
+
+def _mixture_log_z(d: Distribution, t: Array) -> Array:
+    r"""``log int (sum_k w_k p_k(x))^{1/T} dx`` by quadrature, split over the components.
+
+    The integrand is multiplied by the partition of unity
+    :math:`\rho_k(x) \propto (w_k p_k(x))^{1/T}` (:math:`\sum_k \rho_k = 1`) and each piece
+    integrated with a rule centred on component :math:`k`: separated or narrow components
+    are resolved however far apart they are. As in :func:`_quadrature_log_z`, nodes where
+    the integrand is not finite or negligible (below ``e^-_QUAD_NEGLIGIBLE`` of the
+    largest term) count as zero and are evaluated at their component's centre node, so that
+    no derivative of a discarded node reaches the gradient (the double-exponential rule's far
+    nodes overflow the densities: the gradient in the components' locations was NaN at every
+    temperature, and HMC and Newton on a model with a mixture likelihood never moved).
+    """
+    x, log_w = _mixture_nodes(d, t)  # (K, Q, *TB)
+    first = lax.stop_gradient(_mixture_log_f(d, lax.stop_gradient(x), t, log_w))
+    finite = lax.stop_gradient(jnp.isfinite(x)) & jnp.isfinite(first)
+    top = jnp.max(jnp.where(finite, first, -jnp.inf), axis=(0, 1))
+    keep = finite & (first > top - _QUAD_NEGLIGIBLE)
+    centre = jnp.broadcast_to(x[:, _QUAD_NODES.size // 2][:, None], x.shape)
+    log_f = _mixture_log_f(d, jnp.where(keep, x, lax.stop_gradient(centre)), t, log_w)
+    return _checked_integral(jnp.where(keep, log_f, -jnp.inf), t, (0, 1))
 
 
 _mixture_log_z_jit = jax.jit(_mixture_log_z)
