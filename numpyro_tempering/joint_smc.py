@@ -90,6 +90,7 @@ from numpyro_tempering.tempered_smc import (
     _solve_upper,
     _Target,
     global_log_prior,
+    kish,
 )
 
 __all__ = ["build_joint_runner", "unsupported"]
@@ -518,9 +519,7 @@ def _prior_check(joint: _Joint, key: jax.Array, num_draws: int, t: jax.Array) ->
     u, v = jax.vmap(joint.init)(random.split(key, num_draws))
     log_w = jax.lax.map(lambda a: joint.prior_log_weight(*a, t), (u, v), batch_size=64)
     log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
-    log_mean = logsumexp(log_w) - math.log(num_draws)
-    w = jnp.exp(log_w - jnp.max(log_w))
-    return log_mean, jnp.sum(w) ** 2 / jnp.sum(w**2)
+    return logsumexp(log_w) - math.log(num_draws), kish(log_w)
 
 
 def build_joint_runner(

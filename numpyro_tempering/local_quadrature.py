@@ -342,8 +342,9 @@ def _log_c_rules(joint: _Joint, place: _Placement, u: jax.Array, t: jax.Array,
 def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -> tuple:
     """The SMC target over ``u`` (``_Target``: the globals' prior and ``sum_n log c-hat_n``)
     and the quadrature check ``u -> sum_n log c-hat_n(2q nodes) - sum_n log c-hat_n(q)``
-    (``check(u, True)``: also the per-element ``log c-hat_n(q)``, the target's, so that
-    the SMC's per-element output is taken from the check, not evaluated again)."""
+    (``check(u, True)``: also the per-element ``log c-hat_n(q)`` and the rest of L_T, the
+    target's pieces, so that the SMC's final outputs are taken from the check, not
+    evaluated again)."""
     d = frame.v.shape[1]
     rule, fine = _rule(q, d), _rule(CHECK_FACTOR * q, d)
     wide = _wide_rule() if d == 1 else None
@@ -364,7 +365,7 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
 
     def check(u: jax.Array, elements: bool = False) -> jax.Array | tuple:
         rules = (rule, fine) if wide is None else (rule, fine, wide)
-        (coarse, _, _), (finer, _, lost), *beyond = _log_c_rules(
+        (coarse, rest, _), (finer, _, lost), *beyond = _log_c_rules(
             joint, place(u, temperature), u, temperature, rules)
         # the fine rule's nodes where the log density is NaN (counted as zero) are counted
         # as the rule's Gaussian weighs them: log c_n is then higher by -log(1 - lost_n)
@@ -372,7 +373,7 @@ def _quad_target(joint: _Joint, frame: _Frame, temperature: jax.Array, q: int) -
         if beyond:  # mass beyond both rules' reach (another mode): the wide rule
             best = jnp.maximum(best, beyond[0][0])
         value = jnp.sum(best) - jnp.sum(coarse)
-        return (value, coarse) if elements else value
+        return (value, coarse, rest) if elements else value
 
     return _Target(init, log_prior, pieces), check
 

@@ -1305,20 +1305,27 @@ def _checked_integral(log_f: Array, t: Array, axes: tuple[int, ...]) -> Array:
     return jnp.where(ok, log_z, jnp.nan)
 
 
+def _kept_log_f(log_f: Callable[[Array], Array], x: Array, node_axis: int) -> Array:
+    """``log_f`` (the log integrand plus the log weights) at the nodes ``x``, the rule's
+    nodes along ``node_axis`` and any rules (a mixture's components) before it, with the
+    nodes where it is not finite (or ``x`` itself overflowed, far out at a large scale), or
+    whose share of the integral is below ``e^-_QUAD_NEGLIGIBLE``, set to ``-inf``: those are
+    evaluated at their rule's centre node instead, so that no derivative of a discarded
+    node reaches the gradient (0 * nan = nan, 0 * inf = nan: the gradient in the scale was
+    NaN beyond ~1e8 in float32, the curvature beyond ~1e4; a mixture's was NaN at every
+    temperature with NumPyro's default validation)."""
+    first = lax.stop_gradient(log_f(lax.stop_gradient(x)))
+    finite = lax.stop_gradient(jnp.isfinite(x)) & jnp.isfinite(first)
+    top = jnp.max(jnp.where(finite, first, -jnp.inf), axis=tuple(range(node_axis + 1)))
+    keep = finite & (first > top - _QUAD_NEGLIGIBLE)
+    centre = jnp.take(x, _QUAD_NODES.size // 2, axis=node_axis)
+    centre = jnp.broadcast_to(jnp.expand_dims(centre, node_axis), x.shape)
+    return jnp.where(keep, log_f(jnp.where(keep, x, lax.stop_gradient(centre))), -jnp.inf)
+
+
 def _quadrature_log_z(d: Distribution, t: Array, kind: str) -> Array:
     x, log_w = _quadrature_nodes(d, t, kind)
-    # nodes where the density is not finite (or x itself overflowed, far out at a large
-    # scale) count as zero density, and so do nodes whose share of the integral is below
-    # e^-QUAD_NEGLIGIBLE; the density is evaluated at the centre node instead, so that no
-    # derivative of a discarded node reaches the gradient (0 * nan = nan, 0 * inf = nan:
-    # the gradient in the scale was NaN beyond ~1e8 in float32, the curvature beyond ~1e4)
-    first = lax.stop_gradient(d.log_prob(lax.stop_gradient(x)) / t + log_w)
-    finite = lax.stop_gradient(jnp.isfinite(x)) & jnp.isfinite(first)
-    top = jnp.max(jnp.where(finite, first, -jnp.inf), axis=0)
-    keep = finite & (first > top - _QUAD_NEGLIGIBLE)
-    centre = jnp.broadcast_to(x[_QUAD_NODES.size // 2], x.shape)
-    log_p = d.log_prob(jnp.where(keep, x, lax.stop_gradient(centre)))
-    log_f = jnp.where(keep, log_p / t + log_w, -jnp.inf)
+    log_f = _kept_log_f(lambda y: d.log_prob(y) / t + log_w, x, 0)
     return _checked_integral(log_f, t, (0,))
 
 
@@ -1443,21 +1450,14 @@ def _mixture_log_z(d: Distribution, t: Array) -> Array:
     The integrand is multiplied by the partition of unity
     :math:`\rho_k(x) \propto (w_k p_k(x))^{1/T}` (:math:`\sum_k \rho_k = 1`) and each piece
     integrated with a rule centred on component :math:`k`: separated or narrow components
-    are resolved however far apart they are. As in :func:`_quadrature_log_z`, nodes where
-    the integrand is not finite or negligible (below ``e^-_QUAD_NEGLIGIBLE`` of the
-    largest term) count as zero and are evaluated at their component's centre node, so that
-    no derivative of a discarded node reaches the gradient (the double-exponential rule's far
-    nodes overflow the densities: the gradient in the components' locations was NaN at every
-    temperature, and HMC and Newton on a model with a mixture likelihood never moved).
+    are resolved however far apart they are. Far and negligible nodes are left out as in
+    the univariate rule (:func:`_kept_log_f`): the double-exponential rule's far nodes
+    overflow the densities, and the gradient in the components' parameters was NaN, so that
+    HMC and Newton on a model with a mixture likelihood never moved.
     """
     x, log_w = _mixture_nodes(d, t)  # (K, Q, *TB)
-    first = lax.stop_gradient(_mixture_log_f(d, lax.stop_gradient(x), t, log_w))
-    finite = lax.stop_gradient(jnp.isfinite(x)) & jnp.isfinite(first)
-    top = jnp.max(jnp.where(finite, first, -jnp.inf), axis=(0, 1))
-    keep = finite & (first > top - _QUAD_NEGLIGIBLE)
-    centre = jnp.broadcast_to(x[:, _QUAD_NODES.size // 2][:, None], x.shape)
-    log_f = _mixture_log_f(d, jnp.where(keep, x, lax.stop_gradient(centre)), t, log_w)
-    return _checked_integral(jnp.where(keep, log_f, -jnp.inf), t, (0, 1))
+    log_f = _kept_log_f(lambda y: _mixture_log_f(d, y, t, log_w), x, 1)
+    return _checked_integral(log_f, t, (0, 1))
 
 
 _mixture_log_z_jit = jax.jit(_mixture_log_z)

@@ -113,9 +113,10 @@ __all__ = [
     "MIN_ACCEPTANCE",
     "MIN_PARTICLES",
     "SMCSettings",
-    "flag_smc",
-    "missed_mass",
     "extra_starts",
+    "flag_smc",
+    "kish",
+    "missed_mass",
     "prior_check_at",
     "rays_beyond",
     "replicate_covariance",
@@ -541,8 +542,8 @@ def _smc(
 ) -> tuple:
     """One adaptive tempered SMC run at one temperature: (log C-hat, final ESS, stages,
     last acceptance, E_final[log c_n] or None, lambda reached), and with ``final``
-    (``x -> (value, the target's per-element log c_n)``, evaluated 64 particles at a time;
-    its per-element values stand in for the target's) also the weighted mean of its
+    (``x -> (value, the target's per-element log c_n, the rest of L_T)``, evaluated 64
+    particles at a time; its pieces stand in for the target's) also the weighted mean of its
     value over the final particles; with ``top`` also the largest ``log p + L_T`` at the
     final particles (for :func:`rays_beyond`)."""
     num = settings.num_particles
@@ -653,10 +654,10 @@ def _smc(
     ess = 1.0 / jnp.sum(state.weights**2)
     element = None
     if final is not None:  # its per-element values are the target's (one evaluation)
-        values, element = jax.lax.map(final, state.particles, batch_size=64)
+        values, element, rest = jax.lax.map(final, state.particles, batch_size=64)
         if top:
             log_p = jax.vmap(target.log_prior)(state.particles)
-            total = jnp.sum(element, -1)
+            total = jnp.sum(element, -1) + rest
     elif per_element or top:  # one evaluation of the target for both
         log_p, (total, element, _) = jax.vmap(
             lambda u: (target.log_prior(u), target.pieces(u, temperature)))(state.particles)
@@ -725,7 +726,7 @@ def tail_grows(values: jax.Array) -> jax.Array:
     return jnp.any(enough & rising)
 
 
-def _kish(log_w: jax.Array) -> jax.Array:
+def kish(log_w: jax.Array) -> jax.Array:
     """Kish's effective sample size of the weights ``e^log_w``."""
     w = jnp.exp(log_w - jnp.max(log_w))
     return jnp.sum(w) ** 2 / jnp.sum(w**2)
@@ -761,13 +762,13 @@ def prior_check_at(
     log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
     log_mean = logsumexp(log_w) - math.log(num)
     if not on_grid:
-        return log_mean, _kish(log_w), grows, ray_max
+        return log_mean, kish(log_w), grows, ray_max
     f = log_p[num + num_rays:] + log_l[num + num_rays:]
     f = jnp.where(jnp.isnan(f), -jnp.inf, f) + log_weights
     log_trap = logsumexp(f)
     use_grid = log_trap > log_mean
     return (jnp.where(use_grid, log_trap, log_mean),
-            jnp.where(use_grid, _kish(f), _kish(log_w)), grows, ray_max)
+            jnp.where(use_grid, kish(f), kish(log_w)), grows, ray_max)
 
 
 def _prior_check(

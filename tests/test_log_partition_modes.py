@@ -334,17 +334,20 @@ def test_a_far_minority_component_of_a_mixture_prior_is_found():
     check_mixture_prior(est, exact)
 
 
-MIX_LOCAL_S = 0.5
+MIX_LOCAL_S, MIX_FACTOR = 0.5, 20.0
 
 
 def mixture_prior_with_locals(x):
     """The far-component model with a local log-scale per element that the tempered
     normaliser depends on: z_n ~ N(0, s), x_n ~ N(0, e^(z_n + mu/4)), so that the locals are
     integrated by quadrature (route "quadrature"). Exactly, log C gains N k^2 s^2 / 2
-    (E[e^(k z)] per element, k = 1 - 1/T)."""
+    (E[e^(k z)] per element, k = 1 - 1/T). An untempered factor ``f`` = 20 mu outside the
+    plate (``exclude="f"``: an importance weight, the "rest" of L_T beside the elements)
+    moves the tilt by 20 mu."""
     mu = numpyro.sample("mu", dist.MixtureSameFamily(
         dist.Categorical(jnp.array([1 - MIX_W, MIX_W])),
         dist.Normal(jnp.array([-4.0, 4.0]), MIX_S)))
+    numpyro.factor("f", MIX_FACTOR * mu)
     with numpyro.plate("data", x.shape[0]):
         z = numpyro.sample("z", dist.Normal(0.0, MIX_LOCAL_S))
         numpyro.sample("x", dist.Normal(0.0, jnp.exp(z + mu / 4)), obs=x)
@@ -355,17 +358,22 @@ def test_a_far_minority_component_is_found_with_the_locals_integrated_by_quadrat
     its missed-mass check the prior draws alone: for key 4 (no prior draw in the minority
     component) log C came out 60 and 126 nats low with standard errors of 0.01-0.04 and no
     flag. Now its starts include the grid's maxima (one global; the rays' with several), and
-    its final particles are checked against the rays, as over the globals alone."""
+    its final particles are checked against the rays, as over the globals alone. The
+    particles' tilted density includes the factor outside the plate as the rays' does
+    (without it this right answer was flagged with an infinite standard error)."""
     temps = np.array([1.5, 3.0])
     k = 1 - 1 / temps
-    extra = MIX_N * k**2 * MIX_LOCAL_S**2 / 2
-    exact = np.array([mixture_prior_exact(T) for T in temps]) + extra
-    majority = np.array([mixture_prior_exact(T, minority=False) for T in temps]) + extra
+    tilt = MIX_N * k / 4 + MIX_FACTOR  # L_T = const + tilt * mu
+    per = MIX_N * (0.5 * np.log(temps) + 0.5 * k * np.log(2 * np.pi))
+    base = per + tilt**2 * MIX_S**2 / 2 + MIX_N * k**2 * MIX_LOCAL_S**2 / 2
+    majority = base + np.log(1 - MIX_W) - 4 * tilt
+    exact = base + np.logaddexp(np.log(1 - MIX_W) - 4 * tilt, np.log(MIX_W) + 4 * tilt)
     assert np.all(exact - majority > 50.0)  # the majority's mass alone: the test can fail
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "log_partition: standard error")
         est = log_partition(jax.random.PRNGKey(4), mixture_prior_with_locals, temps,
-                            jnp.zeros(MIX_N), plate="data", progress_bar=False)
+                            jnp.zeros(MIX_N), plate="data", progress_bar=False,
+                            exclude="f")
     assert est.route == "quadrature"
     check_mixture_prior(est, exact)
 
