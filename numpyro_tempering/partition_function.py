@@ -182,6 +182,7 @@ from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
 from numpyro_tempering.structure import (
     model_params,
+    nothing_tempered,
     plate_not_found,
     sizes_from_trace,
     stale_params_message,
@@ -334,6 +335,8 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
             "it belongs to the prior, or give log C yourself: "
             "Ladder.with_log_partition_values(log_c, sizes=model_sizes(...))."
         )
+    if not tempered_sites:
+        raise nothing_tempered(tr, "log C")
     plates = sorted(n for n, s in tr.items() if s["type"] == "plate")
     if plate is not None:
         if plate not in plates:
@@ -919,8 +922,17 @@ def _prior_estimate(
     nan_sites = _check_log_z_one(site_log_z, run_temps, "log C")
     infinite = sorted(n for n, v in site_log_z.items()
                       if np.any(np.asarray(v)[..., :num_temps] == np.inf))
+    element_shape = None if element is None else element.shape
     if element is not None and element.shape[-1] != structure.sizes.plate_size(plate):
         element = None  # a subsampled plate: only B of the N elements were visited
+        warnings.warn(
+            f"log_partition: no per-element log c_n for plate '{plate}', which the model "
+            f"subsamples (a run visits {element_shape[-1]} of its "
+            f"{structure.sizes.plate_size(plate)} elements); run the model on the full plate "
+            "for them (a per-element multicanonical temperature needs them).",
+            UserWarning,
+            stacklevel=3,
+        )
     cut = slice(0, num_temps)
     est = LogPartitionEstimate(
         temps,

@@ -39,6 +39,7 @@ __all__ = [
     "ModelSizes",
     "model_params",
     "model_sizes",
+    "nothing_tempered",
     "plate_not_found",
     "sizes_from_sites",
     "stale_params_message",
@@ -150,6 +151,30 @@ def sizes_from_trace(tr: dict) -> ModelSizes:
 def model_params(tr: dict) -> list[str]:
     """Names of the ``numpyro.param`` sites of a model trace (sorted)."""
     return sorted(n for n, s in tr.items() if s["type"] == "param")
+
+
+def nothing_tempered(tr: dict, who: str) -> ValueError:
+    """The error for a model trace in which the tempering selection marks no site (e.g. a
+    forgotten ``obs=``): log C(T) would be 0 at every T and a temperature would have no
+    likelihood to act on, so q(y) would be its prior and a fitted E[T] would mean nothing.
+
+    Example:
+        >>> import numpyro, numpyro.distributions as dist
+        >>> from numpyro_tempering.handlers import temper
+        >>> def model():
+        ...     numpyro.sample("x", dist.Normal(0.0, 1.0))  # obs= forgotten
+        >>> print(nothing_tempered(structure_trace(temper(model, 1.0), (), {}), "log C"))
+        log C: no site of the model is tempered (its sample sites are ['x'], of which ...
+    """
+    samples = sorted(n for n, s in tr.items() if s["type"] == "sample")
+    observed = sorted(n for n in samples if tr[n]["is_observed"])
+    return ValueError(
+        f"{who}: no site of the model is tempered (its sample sites are {samples}, of which "
+        f"observed {observed}). With nothing tempered log C(T) = 0 at every T and the "
+        "temperature has no likelihood to act on (its posterior is its prior). Pass the "
+        "data with obs=... (the likelihood, tempered by default), or name the sites to "
+        "temper (sites=, latent=)."
+    )
 
 
 def stale_params_message(params: list[str], who: str) -> str:

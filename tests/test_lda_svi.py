@@ -504,6 +504,11 @@ def test_a_multicanonical_ladder_must_rise_from_one():
     mc = lda_svi.Multicanonical(np.array([1.0, 2.0, 4.0]), np.zeros(2))
     with pytest.raises(ValueError, match="`log_weights` must be the 3"):
         lda_svi.fit(data, 2, temperature=mc, batch_size=10)
+    # an infinite log weight was reported as a wrong shape, and weights summing to 3 ran
+    for log_w in ([np.inf, 0.0, 0.0], [0.0, 0.0, 0.0]):
+        mc = lda_svi.Multicanonical(np.array([1.0, 2.0, 4.0]), np.array(log_w))
+        with pytest.raises(ValueError, match="exponentials summing to 1"):
+            lda_svi.fit(data, 2, temperature=mc, batch_size=10)
 
 
 def test_a_hand_built_corpus_with_zero_counts_between_words_loses_none():

@@ -430,11 +430,16 @@ def test_subsampled_plate_with_local_latents_is_scaled_after_the_inner_average(s
     T = jnp.array([1.0, 3.0])
     a = 1 - 1 / T
     exact = 12 * (a**2 / 2 + a * 0.5 * jnp.log(2 * jnp.pi) + 0.5 * jnp.log(T))
-    est = log_partition(
-        jax.random.PRNGKey(0), _scale_local_model, T, jnp.zeros(subsample),
-        num_samples=8, num_inner=4000, plate="data",
-    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = log_partition(
+            jax.random.PRNGKey(0), _scale_local_model, T, jnp.zeros(subsample),
+            num_samples=8, num_inner=4000, plate="data",
+        )
     np.testing.assert_allclose(est.log_c, exact, atol=0.05)
+    # the per-element values need the full plate: dropped for a subsample, with a word
+    dropped = [w for w in record if "no per-element log c_n for plate 'data'" in str(w.message)]
+    assert (est.element_log_c is None) == (subsample < 12) == bool(dropped)
 
 
 # ---------------------------------------------------------------------------------------
@@ -586,6 +591,20 @@ def test_model_params_are_refused():
 
     with pytest.raises(ValueError, match=r"numpyro.param site\(s\) \['s'\]"):
         log_partition(KEY, model, TEMPS, jnp.zeros(3))
+
+
+def test_a_model_with_nothing_tempered_is_refused():
+    """A forgotten `obs=` left nothing tempered: log C = 0 at every T was returned without a
+    word (and a multicanonical fit's E[T] was the ladder prior's mean)."""
+    def forgot_obs(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, 1.0))
+
+    for method in ("smc", "prior"):
+        with pytest.raises(ValueError, match=r"no site of the model is tempered .*\['mu', "
+                                             r"'x'\], of which observed \[\]"):
+            log_partition(KEY, forgot_obs, TEMPS, jnp.zeros(3), method=method)
 
 
 # ---------------------------------------------------------------------------------------

@@ -548,6 +548,17 @@ def test_model_params_are_refused():
         log_density(multicanonical(param_model, LADDER), (X,), {}, {"mu": 0.0})
 
 
+def test_a_model_with_nothing_tempered_is_refused_by_the_objective():
+    """With `obs=` forgotten the objective fitted q(y) = the ladder's prior, silently."""
+    def forgot_obs(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(mu, SIGMA))
+
+    with pytest.raises(ValueError, match="MulticanonicalELBO: no site of the model is tempered"):
+        MulticanonicalELBO(LADDER).loss(KEY, PARAMS, forgot_obs, guide, X)
+
+
 def test_predictive_without_data_adds_nothing():
     samples = {"mu": jnp.array([0.1, 0.5, -0.3])}
     draws = Predictive(multicanonical(model, LADDER), samples)(KEY, X * jnp.nan)

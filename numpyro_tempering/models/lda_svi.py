@@ -301,9 +301,14 @@ class Multicanonical(NamedTuple):
             raise ValueError(f"`temperatures` must be a 1-D ladder starting at T = 1 and "
                              f"strictly increasing (finite), got {self.temperatures!r}.")
         log_w = np.asarray(self.log_weights, np.float64)
-        if log_w.shape != temps.shape or np.any(np.isnan(log_w)) or np.any(log_w == np.inf):
+        if log_w.shape != temps.shape:
             raise ValueError(f"`log_weights` must be the {temps.size} log prior weights of the "
-                             f"rungs (finite or -inf), got shape {log_w.shape}.")
+                             f"rungs, got shape {log_w.shape}.")
+        total = np.logaddexp.reduce(log_w) if log_w.size else -np.inf
+        if np.any(np.isnan(log_w)) or np.any(log_w == np.inf) or not abs(total) <= 1e-5:
+            raise ValueError(f"`log_weights` must be the logs of prior weights of the rungs "
+                             f"(finite or -inf, their exponentials summing to 1), got "
+                             f"{log_w.tolist()} (log of the sum {total:.6g}).")
         idx = np.unique(np.round(np.linspace(0, temps.size - 1, int(self.anchors))).astype(int))
         return temps[idx]
 

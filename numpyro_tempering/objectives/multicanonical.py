@@ -108,6 +108,7 @@ from numpyro_tempering.objectives.base import EngineELBO
 from numpyro_tempering.structure import (
     ModelSizes,
     model_params,
+    nothing_tempered,
     sizes_from_trace,
     stale_params_message,
     structure_trace,
@@ -355,6 +356,8 @@ class MulticanonicalELBO(EngineELBO):
             if site["type"] == "sample" and already_tempered(site["fn"]):
                 raise ValueError(already_tempered_message(name, "MulticanonicalELBO"))
         found = (sizes_from_trace(tr), model_params(tr))
+        if not found[0].sites:
+            raise nothing_tempered(tr, "MulticanonicalELBO")
         if key is not None:
             self._sizes_cache[key] = found
         return found
