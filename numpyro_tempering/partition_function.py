@@ -1657,6 +1657,11 @@ def log_partition(
         **prior_kwargs,
     )
     if constant and not locals_joint:
+        from numpyro_tempering.tempered_smc import depends_on_globals
+
+        constant = not depends_on_globals(marked, args, kwargs, plate, fallback,
+                                          global_names, float(np.max(temps)))
+    if constant and not locals_joint:
         _warn_divergent(probe, infinite)
         return probe  # the contributions do not depend on the globals: exact
     subsampled = _subsampled_plates(marked, args, kwargs)

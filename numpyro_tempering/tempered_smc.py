@@ -21,33 +21,37 @@ draws fails (the failure mode of issue 11). Here it is estimated like an evidenc
   (p\, e^{L_T})^{\lambda}`, :math:`\lambda: 0 \to 1`, from a **mixture reference**
   :math:`q = \alpha\, p + \frac{1-\alpha}{K}\sum_k \mathcal N(m_k, \Sigma_k)`: the prior
   with weight ``prior_weight`` (:math:`\alpha = 0.1`) and K (``num_starts`` = 8) Laplace
-  approximations of the tilted target, each from damped Newton steps started at its own
-  prior draw (covariance the inverse Hessian inflated by ``REFERENCE_INFLATION**2``; the
-  unit matrix if the curvature is not positive definite). One Laplace start sees one mode
-  (issue 20: log C too low by log 2 on two equal modes, with a standard error of 0.01);
-  K starts put particles in every mode whose basin a prior draw falls in, the prior
-  component covers the rest, and the incremental weights give each mode its mass. With one
-  global coordinate, ``GRID_STARTS`` more Newton runs start from the largest local maxima
-  of the tilted target on a grid of ``GRID_POINTS`` over the prior's centre
-  :math:`\pm` ``GRID_REACH`` prior sds (fine at the centre, coarser with the distance): a
-  narrow mode whose basin no prior draw reaches (width 0.1 at 5 prior sds, dominant at
-  N = 500) was missed by 47-97 nats with a standard error of 0.05 and no flag, and so was
-  the minority component of a mixture prior 27 of its sds away (weight 0.001, which 36%
-  of the keys' 1024 prior draws never visit: 60-126 nats low) while the grid reached 8
-  sds. With several global coordinates, ``RAY_STARTS`` Newton runs start from the points
-  of the tail check's rays (:func:`_rays`) where the tilted target is largest, when it is
-  larger there than at every prior start (that minority component, as one coordinate of
-  two: 60-126 nats low, unflagged, for the same keys). Each
+  approximations of the tilted target (the weights rounded to whole particles: each
+  component gets exactly its share of the particles, a stratified draw from q, so that how
+  many particles a far mode's component gets is not random), each from damped Newton
+  steps started at its own prior draw (covariance the inverse Hessian inflated by
+  ``REFERENCE_INFLATION**2``; the unit matrix if the curvature is not positive definite).
+  One Laplace start sees one mode (issue 20: log C too low by log 2 on two equal modes,
+  with a standard error of 0.01); K starts put particles in every mode whose basin a
+  prior draw falls in, the prior component covers the rest, and the incremental weights
+  give each mode its mass. With one global coordinate, ``GRID_STARTS`` more Newton runs
+  start from the largest local maxima of the tilted target on a grid of ``GRID_POINTS`` over
+  the prior's centre :math:`\pm` ``GRID_REACH`` prior sds (fine at the centre, coarser with
+  the distance): a narrow mode whose basin no prior draw reaches (width 0.1 at 5 prior sds,
+  dominant at N = 500) was missed by 47-97 nats with a standard error of 0.05 and no flag,
+  and so was the minority component of a mixture prior 27 of its sds away (weight 0.001,
+  which 36% of the keys' 1024 prior draws never visit: 60-126 nats low) while the grid
+  reached 8 sds. With several global coordinates, ``RAY_STARTS`` Newton runs start from the
+  points of the tail check's rays (:func:`_rays`) where the tilted target is largest, when
+  it is larger there than at every prior start (that minority component, as one coordinate
+  of two: 60-126 nats low, unflagged, for the same keys). One more Newton run starts at the
+  origin of the unconstrained space, where a linear predictor is 0 (:func:`extra_starts`: a
+  logistic regression on unscaled covariates has its whole log C in a spike there). Each
   stage picks the next :math:`\lambda` so that the incremental weights keep an ESS of
   ``target_ess`` of the particles, resamples (systematic), and moves the particles with
-  ``num_mcmc_steps`` HMC steps targeting the current stage. The product of the stages'
-  mean incremental weights is an unbiased estimate of
-  :math:`\int q\, (p e^{L_T} / q) = C(T)`. Starting from the Laplace components and not
-  from the prior alone (``SMCSettings(reference="prior")``) matters: at realistic N the
-  tilted target sits far in the prior's tail (a shift of :math:`N(1 - 1/T) v^2` in the
-  log-scale of a log-normal prior of sd :math:`v`: 90 prior sds in the tests), and the
-  number of stages of a path from the prior grows with that distance (200 stages were not
-  enough at N = 2000, 540 prior sds), while from :math:`q` one to a few stages suffice.
+  ``num_mcmc_steps`` HMC steps targeting the current stage. The product of the stages' mean
+  incremental weights is an unbiased estimate of :math:`\int q\, (p e^{L_T} / q) = C(T)`.
+  Starting from the Laplace components and not from the prior alone
+  (``SMCSettings(reference="prior")``) matters: at realistic N the tilted target sits far in
+  the prior's tail (a shift of :math:`N(1 - 1/T) v^2` in the log-scale of a log-normal prior
+  of sd :math:`v`: 90 prior sds in the tests), and the number of stages of a path from the
+  prior grows with that distance (200 stages were not enough at N = 2000, 540 prior sds),
+  while from :math:`q` one to a few stages suffice.
 * **Missed mass is checked** (:func:`missed_mass`): the mean of :math:`e^{L_T}` over
   ``num_prior_draws`` prior draws is unbiased for :math:`C(T)` (its log biased low); an SMC
   estimate clearly below it has missed a mode, and is flagged.
@@ -94,6 +98,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -113,6 +118,7 @@ __all__ = [
     "MIN_ACCEPTANCE",
     "MIN_PARTICLES",
     "SMCSettings",
+    "depends_on_globals",
     "extra_starts",
     "flag_smc",
     "kish",
@@ -411,6 +417,32 @@ def _build_target(
     return _Target(init, log_prior, pieces)
 
 
+def depends_on_globals(
+    marked: Callable, args: tuple, kwargs: dict, plate: str | None, fallback: Any,
+    global_names: tuple[str, ...], temperature: float,
+) -> bool:
+    """Whether the tempered likelihood's log normaliser :math:`L_T(u)` depends on the
+    globals in its traced program (JAX's dead-code elimination of the jaxpr: exact, and
+    blind to values). A normaliser that does not (a Normal likelihood's mean) makes log C
+    the same at every prior draw, and exactly so; one that does can still look constant at
+    a handful of prior draws (a logistic regression on unscaled covariates, see
+    :func:`extra_starts`), so values alone do not decide. Without JAX's private
+    ``dce_jaxpr`` every model is taken to depend on them (the SMC then runs)."""
+    try:
+        from jax._src.interpreters.partial_eval import dce_jaxpr
+    except ImportError:  # pragma: no cover - a JAX without it: assume a dependence
+        return True
+    with warnings.catch_warnings():  # e.g. NumPyro's about enumerating discrete locals
+        warnings.simplefilter("ignore")
+        target = _build_target(marked, args, kwargs, plate, fallback, global_names,
+                               random.PRNGKey(0))
+        u = target.init(random.PRNGKey(0))
+        closed = jax.make_jaxpr(lambda u, t: target.pieces(u, t)[0])(
+            u, jnp.asarray(temperature, u.dtype))
+    _, used = dce_jaxpr(closed.jaxpr, [True], instantiate=False)
+    return bool(used[0])
+
+
 # -----------------------------------------------------------------------------------------
 # One SMC run
 # -----------------------------------------------------------------------------------------
@@ -560,7 +592,7 @@ def _smc(
             return jnp.where(jnp.isnan(value), -jnp.inf, value)
 
     else:  # path from the mixture reference q: pi_lambda = q^(1 - lambda) (p e^L)^lambda
-        # q = alpha p + (1 - alpha)/K sum_k N(mode_k, (R_k R_k^T)^{-1}); a Laplace draw is
+        # q = (n_0 p + sum_k n_k N(mode_k, (R_k R_k^T)^{-1})) / P; a Laplace draw is
         # u = mode_k + R_k^{-T} eps, and log N_k needs R_k^T (u - mode_k) only, a matrix
         # product (no triangular solve inside the loop; see _cholesky)
         # the Laplace components cover the first `dim` coordinates; any further coordinates
@@ -568,12 +600,20 @@ def _smc(
         # component, and target.log_prior includes their N(0, I) density
         modes, precs = reference
         n_starts, dim = modes.shape
-        alpha = settings.prior_weight
-        key_eps, key_comp, key_pick, key_prior, key_extra = random.split(key_init, 5)
+        # stratified: exactly n_k particles from component k and q's weights n_k / P, so
+        # that the draw is one from q and the estimate unbiased, without the multinomial
+        # noise of how many particles a component gets (with a far mode held by one of
+        # eleven components, that count's noise alone was ~0.2 nats of log C)
+        n_prior = num if settings.prior_weight >= 1 else round(settings.prior_weight * num)
+        counts = np.bincount(np.arange(num - n_prior) % n_starts, minlength=n_starts)
+        with np.errstate(divide="ignore"):
+            log_w_comp = jnp.asarray(np.log(counts / num), modes.dtype)  # -inf: no particle
+        comp = jnp.asarray(np.concatenate([np.zeros(n_prior, int),
+                                           np.arange(num - n_prior) % n_starts]))
+        key_eps, key_prior, key_extra = random.split(key_init, 3)
         eps = random.normal(key_eps, (num, dim), modes.dtype)
-        comp = random.randint(key_comp, (num,), 0, n_starts)
         laplace = jax.vmap(lambda c, e: modes[c] + _solve_upper(precs[c].T, e))(comp, eps)
-        from_prior = random.uniform(key_pick, (num,)) < alpha
+        from_prior = jnp.arange(num) < n_prior
         prior_draws = jax.vmap(target.init)(random.split(key_prior, num))
         num_extra = prior_draws.shape[-1] - dim
         ref_dim = dim  # (`dim` is rebound to the particles' dimension below)
@@ -583,7 +623,6 @@ def _smc(
         particles = jnp.where(from_prior[:, None], prior_draws, laplace)
         log_dets = jnp.sum(jnp.log(jax.vmap(jnp.diag)(precs)), -1)  # (K,)
         log_2pi = 0.5 * dim * math.log(2 * math.pi)
-        log_w_laplace = math.log1p(-alpha) - math.log(n_starts) if alpha < 1 else -jnp.inf
         dtype = modes.dtype
         # a bound on the HMC inverse mass matrix: the widest Laplace component's variances
         # (the particle cloud's variance spans the gaps between modes: too wide to move in)
@@ -596,13 +635,13 @@ def _smc(
 
         def log_ref(u: jax.Array) -> jax.Array:
             z = jnp.einsum("kd,kde->ke", u[:ref_dim] - modes, precs)
-            log_n = -0.5 * jnp.sum(z**2, -1) + log_dets - log_2pi + log_w_laplace
+            log_n = -0.5 * jnp.sum(z**2, -1) + log_dets - log_2pi + log_w_comp
             if num_extra:
                 log_n = log_n - 0.5 * jnp.sum(u[ref_dim:] ** 2) - 0.5 * num_extra * math.log(
                     2 * math.pi
                 )
-            if alpha > 0:
-                log_n = jnp.append(log_n, math.log(alpha) + target.log_prior(u))
+            if n_prior > 0:
+                log_n = jnp.append(log_n, math.log(n_prior / num) + target.log_prior(u))
             return logsumexp(log_n)
 
         def loglik(u: jax.Array) -> jax.Array:
@@ -738,7 +777,8 @@ def prior_check_at(
     """The missed-mass check's inputs (:func:`missed_mass`) at one temperature ``t``, from
     the prior ``draws`` (S, D): the log of the mean of :math:`e^{L_T}` over the draws, and
     their Kish ESS; whether the integrand still grows far out (:func:`tail_grows`, on the
-    rays of :func:`_rays`); and its largest value on the rays (for :func:`rays_beyond`).
+    rays of :func:`_rays`); and its largest value on the rays and at the origin of the
+    unconstrained space (for :func:`rays_beyond`; see :func:`extra_starts`).
     With one global coordinate, also the trapezoid rule for :math:`C(T)` on the grid of
     :func:`_grid` (spacing 1/32 prior sd at the centre, out to +- ``GRID_REACH`` sds), and
     whichever of the two is larger, with its points' Kish ESS: a mode no prior draw reaches
@@ -748,7 +788,7 @@ def prior_check_at(
     narrower one its error can reach the ratio of the grid's spacing to the mode's width,
     but its ESS is then below ``MIN_PRIOR_ESS`` and only a shortfall beyond log 1000 is
     flagged. ``batch_size``: the target is evaluated at that many points at a time."""
-    rays = _rays(draws)
+    rays = jnp.concatenate([_rays(draws), jnp.zeros_like(draws[:1])])  # and the origin
     num, num_rays = draws.shape[0], rays.shape[0]
     on_grid = draws.shape[-1] == 1
     grid, log_weights = _grid(draws) if on_grid else (None, None)
@@ -756,8 +796,12 @@ def prior_check_at(
     # one evaluation site for every point (each is a copy of the model in the program)
     log_p, log_l = _in_batches(
         lambda u: (target.log_prior(u), target.pieces(u, t)[0]), points, batch_size)
+    # a proper prior's log density is +inf only by overflow: an InverseGamma's at
+    # u = log(lam) = -76 in float32 (its Jacobian x^-2 overflows), far out on a ray or the
+    # grid, made the trapezoid +inf and log C "divergent" at every T, even T = 1
+    log_p = jnp.where(log_p == jnp.inf, jnp.nan, log_p)
     on_rays = log_p[num:num + num_rays] + log_l[num:num + num_rays]
-    log_w, grows = log_l[:num], tail_grows(on_rays)
+    log_w, grows = log_l[:num], tail_grows(on_rays[:-1])
     ray_max = jnp.max(jnp.where(jnp.isnan(on_rays), -jnp.inf, on_rays))
     log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
     log_mean = logsumexp(log_w) - math.log(num)
@@ -896,13 +940,21 @@ def _ray_starts(target: _Target, t: jax.Array, rays: jax.Array, starts: jax.Arra
 
 def extra_starts(target: _Target, t: jax.Array, starts: jax.Array, draws: jax.Array
                  ) -> jax.Array:
-    """The Newton starts beyond the prior ``starts`` (K, D) that reach modes no prior draw
+    r"""The Newton starts beyond the prior ``starts`` (K, D) that reach modes no prior draw
     reaches, from the prior ``draws`` (S, D): one global coordinate, the grid's maxima
     (:func:`_grid_starts` on :func:`_grid`); several, the rays' highest points
-    (:func:`_ray_starts` on :func:`_rays`)."""
+    (:func:`_ray_starts` on :func:`_rays`); and the origin of the unconstrained space.
+
+    The origin is where a linear predictor with unscaled covariates is 0: a logistic
+    regression's coefficient under a N(0, 1) prior with covariates of order 10^4 has
+    :math:`|b x_n| \gg 1` at every prior draw, where each Bernoulli normaliser
+    :math:`p^{1/T} + (1 - p)^{1/T}` is 1 to rounding, and a spike of width ~T/10^4 around
+    b = 0, where it is :math:`2^{1 - 1/T}` for every element (log C(1.5) = 103 nats at
+    N = 500): no prior draw, ray or grid point comes near it."""
+    origin = jnp.zeros_like(starts[:1])
     if starts.shape[-1] == 1:
-        return _grid_starts(target, t, _grid(draws)[0])
-    return _ray_starts(target, t, _rays(draws), starts)
+        return jnp.concatenate([_grid_starts(target, t, _grid(draws)[0]), origin])
+    return jnp.concatenate([_ray_starts(target, t, _rays(draws), starts), origin])
 
 
 def build_runner(

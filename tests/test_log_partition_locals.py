@@ -302,7 +302,10 @@ class TestPoissonFunnel:
         assert est.route == "quadrature"
         exact = np.array([poisson_reference(float(t)) for t in POISSON_TEMPS])
         check_contract(est, exact)
-        assert np.all(np.abs(est.quadrature_error) < 1e-3), est.quadrature_error
+        # a weighted mean over the final particles, which moves with their draw (below
+        # 1e-3 before the reference's draws were stratified, 1.8e-3 at T = 10 after, with
+        # errors of +0.024 and +0.005 nats): at most a quarter of the flagging tolerance
+        assert np.all(np.abs(est.quadrature_error) < 5e-3), est.quadrature_error
         assert not any("cannot be trusted" in m for m in messages), messages
 
 

@@ -21,6 +21,7 @@ import numpyro
 import numpyro.distributions as dist
 import pytest
 from scipy.special import logsumexp
+from scipy.stats import norm
 
 from numpyro_tempering.partition_function import log_partition
 
@@ -532,3 +533,61 @@ def test_a_mixture_likelihood_with_two_mirror_modes_is_right():
     log_c, se = np.asarray(est.log_c, np.float64), np.asarray(est.stderr, np.float64)
     assert np.all(np.abs(log_c - exact) <= 3 * se + 0.05), (log_c - exact, se)
     assert np.all(np.asarray(est.acceptance) > MIN_ACCEPTANCE) and not np.any(est.flagged)
+
+
+# a logistic regression on an unscaled covariate (an income in dollars) under a N(0, 1)
+# prior: |b x_n| is in the thousands at every prior draw, where each normaliser
+# sigmoid^(1/T) + (1 - sigmoid)^(1/T) is 1 to rounding, and the whole of log C sits in a
+# spike of width ~T/10^4 at b = 0 (each normaliser 2^(1 - 1/T) there)
+UNSCALED_X = np.random.default_rng(3).uniform(2e4, 5e4, 200)
+
+
+def unscaled_model(x, y):
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=b * x), obs=y)
+
+
+def unscaled_exact(T):
+    # in u = b max(x): the spike is a few T wide; the prior is flat across it
+    scale = UNSCALED_X.max()
+    u = np.linspace(-600 * T, 600 * T, 200_001)
+    eta = np.outer(u / scale, UNSCALED_X)
+    a = 1.0 / T
+    log_c = np.logaddexp(-a * np.logaddexp(0, -eta), -a * np.logaddexp(0, eta)).sum(1)
+    log_prior = -0.5 * (u / scale) ** 2 - 0.5 * np.log(2 * np.pi) - np.log(scale)
+    inside = log_quadrature(log_prior + log_c, u)  # outside |u| < 600 T every c_n is 1
+    return float(np.logaddexp(inside, np.log(2 * norm.sf(600 * T / scale))))
+
+
+def test_a_logistic_regression_on_an_unscaled_covariate_is_right():
+    """log C was returned as exactly 0 (method "prior", standard error 0, no flag) where it
+    is 100-300 nats: the 16 prior draws of the constant-contributions probe all saw
+    normalisers of 1, and no Newton start, ray or grid point came near the spike at b = 0.
+    Now the probe's "constant" needs L_T free of the globals in its program
+    (tempered_smc.depends_on_globals), and a Newton run starts at the origin."""
+    from numpyro_tempering.handlers import Selection
+    from numpyro_tempering.partition_function import _global_sites, _marked
+    from numpyro_tempering.tempered_smc import depends_on_globals
+
+    x, y = jnp.asarray(UNSCALED_X, jnp.float32), jnp.zeros(UNSCALED_X.size)
+    marked = _marked(unscaled_model, Selection())
+    names, _ = _global_sites(marked, (x, y), {}, "data")
+    assert depends_on_globals(marked, (x, y), {}, "data", None, names, 2.0)
+
+    def mean_model(x, y):  # a Normal's normaliser is free of its mean: exactly constant
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Normal(b * x, 1.0), obs=y)
+
+    assert not depends_on_globals(_marked(mean_model, Selection()), (x, y), {}, "data",
+                                  None, names, 2.0)
+    exact = np.array([unscaled_exact(T) for T in TEMPS])
+    assert exact[-1] > 100  # the test can fail: the old answer was 0
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "log_partition: the tempered SMC")
+        est = log_partition(KEY, unscaled_model, TEMPS, x, y, plate="data",
+                            progress_bar=False)
+    log_c, se = np.asarray(est.log_c, np.float64), np.asarray(est.stderr, np.float64)
+    assert est.method == "smc"
+    assert np.all(np.abs(log_c - exact) <= np.maximum(0.1, 4 * se)), (log_c, exact, se)
