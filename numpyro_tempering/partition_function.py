@@ -922,17 +922,16 @@ def _prior_estimate(
     nan_sites = _check_log_z_one(site_log_z, run_temps, "log C")
     infinite = sorted(n for n, v in site_log_z.items()
                       if np.any(np.asarray(v)[..., :num_temps] == np.inf))
-    element_shape = None if element is None else element.shape
     if element is not None and element.shape[-1] != structure.sizes.plate_size(plate):
-        element = None  # a subsampled plate: only B of the N elements were visited
         warnings.warn(
             f"log_partition: no per-element log c_n for plate '{plate}', which the model "
-            f"subsamples (a run visits {element_shape[-1]} of its "
+            f"subsamples (a run visits {element.shape[-1]} of its "
             f"{structure.sizes.plate_size(plate)} elements); run the model on the full plate "
             "for them (a per-element multicanonical temperature needs them).",
             UserWarning,
             stacklevel=3,
         )
+        element = None  # a subsampled plate: only B of the N elements were visited
     cut = slice(0, num_temps)
     est = LogPartitionEstimate(
         temps,
@@ -1659,11 +1658,11 @@ def log_partition(
     if constant and not locals_joint:
         from numpyro_tempering.tempered_smc import depends_on_globals
 
-        constant = not depends_on_globals(marked, args, kwargs, plate, fallback,
-                                          global_names, float(np.max(temps)))
-    if constant and not locals_joint:
-        _warn_divergent(probe, infinite)
-        return probe  # the contributions do not depend on the globals: exact
+        # equal values at the probe's draws are not enough (a spike no draw reached)
+        if not depends_on_globals(marked, args, kwargs, plate, fallback, global_names,
+                                  float(np.max(temps))):
+            _warn_divergent(probe, infinite)
+            return probe  # the contributions do not depend on the globals: exact
     subsampled = _subsampled_plates(marked, args, kwargs)
     if subsampled:
         _warn_fallback(

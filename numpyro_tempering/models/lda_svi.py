@@ -304,7 +304,7 @@ class Multicanonical(NamedTuple):
         if log_w.shape != temps.shape:
             raise ValueError(f"`log_weights` must be the {temps.size} log prior weights of the "
                              f"rungs, got shape {log_w.shape}.")
-        total = np.logaddexp.reduce(log_w) if log_w.size else -np.inf
+        total = np.logaddexp.reduce(log_w)  # (the ladder is not empty: checked above)
         if np.any(np.isnan(log_w)) or np.any(log_w == np.inf) or not abs(total) <= 1e-5:
             raise ValueError(f"`log_weights` must be the logs of prior weights of the rungs "
                              f"(finite or -inf, their exponentials summing to 1), got "
