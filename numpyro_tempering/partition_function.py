@@ -799,10 +799,13 @@ class LogPartitionEstimate(NamedTuple):
             ``"quadrature"``, whose locals are integrated out first; not ``"joint"``) where
             the tempered integrand over the globals does not decay far from the prior's
             centre
-            (:func:`~numpyro_tempering.tempered_smc.tail_grows`): :math:`\log C(T)` is then
-            most likely :math:`+\infty` although every particle's value is finite (the
-            likelihood's tempered normalisers outgrow the prior, e.g. a precision whose prior
-            is too light at 0); flagged, with an infinite ``stderr``.
+            (:func:`~numpyro_tempering.tempered_smc.tail_grows`), as a code: 1 where it
+            grows without slowing, and :math:`\log C(T)` is then most likely
+            :math:`+\infty` although every particle's value is finite (the likelihood's
+            tempered normalisers outgrow the prior, e.g. a precision whose prior is too
+            light at 0); 2 where it still rises up to where the model's log density stops
+            being finite (an overflow: mass out of reach in this dtype); else 0. Flagged
+            where nonzero, with an infinite ``stderr``.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -1186,16 +1189,28 @@ def _warn_untrusted_smc(est: LogPartitionEstimate, max_stages: int | None = None
                 "a higher tilted density than every particle: a mode was missed (the "
                 "standard error is infinite: the shortfall is unknown)"
             )
-    if est.tail_grows is not None and np.any(grows := flagged & np.asarray(est.tail_grows)):
-        from numpyro_tempering.tempered_smc import TAIL_DOUBLINGS
+    if est.tail_grows is not None:
+        from numpyro_tempering.tempered_smc import GROWS, RISES_UNSEEN, TAIL_DOUBLINGS
 
-        reasons.append(
-            f"at T = {_rounded(temps[grows][show], 4)} the tempered integrand over the globals "
-            f"still grows {2 ** (TAIL_DOUBLINGS - 1)} prior scales from the prior's centre: "
-            "log C(T) is most likely +inf (the likelihood's tempered normalisers outgrow the "
-            "prior there, e.g. a precision or scale whose prior is too light at its boundary) "
-            "and the finite estimate means nothing; the standard error is set to inf"
-        )
+        code = np.asarray(est.tail_grows)
+        if np.any(grows := flagged & (code == GROWS)):
+            reasons.append(
+                f"at T = {_rounded(temps[grows][show], 4)} the tempered integrand over the "
+                f"globals still grows {2 ** (TAIL_DOUBLINGS - 1)} prior scales from the "
+                "prior's centre (or as far as it is finite), without slowing: log C(T) is "
+                "most likely +inf (the likelihood's tempered normalisers outgrow the prior "
+                "there, e.g. a precision or scale whose prior is too light at its boundary) "
+                "and the finite estimate means nothing; the standard error is set to inf"
+            )
+        if np.any(unseen := flagged & (code == RISES_UNSEEN)):
+            reasons.append(
+                f"at T = {_rounded(temps[unseen][show], 4)} the tempered integrand over the "
+                "globals still rises where the model's log density stops being finite "
+                "(an overflow, e.g. a log link's exp(eta) beyond the float range): the mass "
+                "beyond is not counted and log C(T) may be far higher; the standard error is "
+                "set to inf (float64, jax.config.update('jax_enable_x64', True), reaches "
+                "further)"
+            )
     if est.quadrature_error is not None:
         from numpyro_tempering.local_quadrature import QUAD_TOLERANCE, quadrature_flags
 
@@ -1365,9 +1380,10 @@ def _smc_estimate(
         stderr = np.where(beyond, np.inf, stderr)
         missed = missed | beyond
     grows = None
-    if out.tail_grows is not None:  # log C most likely +inf: no finite error bar means much
-        grows = np.asarray(out.tail_grows, bool) & ~one
-        stderr = np.where(grows, np.inf, stderr)
+    if out.tail_grows is not None:  # log C most likely +inf, or mass out of reach: no
+        # finite error bar means much
+        grows = np.where(one, 0, np.asarray(out.tail_grows)).astype(np.int8)
+        stderr = np.where(grows > 0, np.inf, stderr)
     quad_error = None
     if out.quad_error is not None:  # deterministic: added to the standard error
         quad_error = np.where(one, 0.0, np.mean(np.asarray(out.quad_error, np.float64), 0))

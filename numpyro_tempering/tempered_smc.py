@@ -716,6 +716,13 @@ def _smc(
 #: the tail check walks each global coordinate out to 2^(TAIL_DOUBLINGS - 1) robust prior
 #: scales from the prior draws' median, doubling the distance
 TAIL_DOUBLINGS = 10
+#: :func:`tail_grows`: a ray's outer slope must be at least this fraction of its inner one
+#: (1 for growth linear in the distance, more for faster growth; a normal prior's peak
+#: ahead makes it fall towards 0 and then negative)
+TAIL_SLOPE_RATIO = 0.9
+#: :func:`tail_grows`'s codes: the integrand grows without slowing (log C most likely +inf);
+#: it rises up to where it stops being finite (mass out of reach)
+GROWS, RISES_UNSEEN = 1, 2
 
 
 def _robust_centre_scale(draws: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -742,27 +749,54 @@ def _rays(draws: jax.Array) -> jax.Array:
 
 def tail_grows(values: jax.Array) -> jax.Array:
     r"""Whether the log integrand :math:`\log p(u) + L_T(u)` on the rays of :func:`_rays`
-    (``values``, ``(2 D TAIL_DOUBLINGS,)``) fails to decay along some ray: non-decreasing
-    over its three farthest finite points (the farthest can overflow a constraining
-    transform, e.g. :math:`e^{-164}` is 0 in float32: NaN and infinities are skipped). A
-    proper prior decays far out, so only the tempered likelihood's normalisers can make the
-    integrand grow: :math:`\log C(T) = +\infty` (e.g. a Gamma(10, 10) precision under 50
-    normal points at T >= 1.7, where :math:`\prod_n Z_n \propto \tau^{-N(1 - 1/T)/2}`
-    outgrows :math:`\tau^{9}` at 0), which no finite sample of particles shows.
+    (``values``, ``(2 D TAIL_DOUBLINGS,)``) fails to decay along some ray, as a code:
+    ``GROWS`` (1) where it is non-decreasing over the ray's three farthest finite points and
+    not slowing down there, ``RISES_UNSEEN`` (2) where it rises but slows, up to points past
+    which it is not finite, else 0. (NaN and infinities are skipped: the farthest points can
+    overflow a constraining transform or the model's own arithmetic, e.g. :math:`e^{-164}`
+    is 0 in float32.)
+
+    A proper prior decays far out, so only the tempered likelihood's normalisers can make
+    the integrand grow: :math:`\log C(T) = +\infty` (e.g. a Gamma(10, 10) precision under
+    50 normal points at T >= 1.7, where :math:`\prod_n Z_n \propto \tau^{-N(1 - 1/T)/2}`
+    outgrows :math:`\tau^{9}` at 0, a growth linear in :math:`u = \log\tau`), which no
+    finite sample of particles shows. A divergence's slope does not fall along the ray
+    (linear in ``u``: constant; faster: rising), so ``GROWS`` asks the slope between the two
+    farthest points to be at least ``TAIL_SLOPE_RATIO`` of the slope between the next two
+    (distances ``2^k`` robust prior scales).
+
+    A normal prior under normalisers that grow linearly in a coefficient,
+    :math:`-u^2/2 + c u`, rises until :math:`u = c` and then falls: its integral is finite
+    and its slope falls. Where the ray's farthest points are finite, it is then seen to
+    fall; where the model stops being finite first (a Poisson log-link regression at T = 5
+    peaks 21 prior sds out, where its rates overflow float32 past 17 sds) the peak and its
+    mass are out of reach in this dtype: ``RISES_UNSEEN``, not a divergence. Still misread:
+    a peak more than about ``16 x`` out seen only from finite points at ``x, 2x, 4x`` (as a
+    divergence), and a growth logarithmic in the distance with every point finite (slope
+    ratio 1/2, as finite).
 
     Example:
         >>> import jax.numpy as jnp
-        >>> up = jnp.tile(jnp.arange(TAIL_DOUBLINGS, dtype=float), 2)  # grows one way
-        >>> bool(tail_grows(up)), bool(tail_grows(-up)), bool(tail_grows(up.at[-1].set(jnp.nan)))
-        (True, False, True)
+        >>> u = 2.0 ** jnp.arange(TAIL_DOUBLINGS)  # the rays' distances
+        >>> up = jnp.tile(3 * u, 2)  # linear growth
+        >>> int(tail_grows(up)), int(tail_grows(-up)), int(tail_grows(up.at[-1].set(jnp.nan)))
+        (1, 0, 1)
+        >>> peak = jnp.where(u <= 32, -u**2 / 2 + 40 * u, jnp.nan)  # a peak at 40, unseen
+        >>> int(tail_grows(jnp.tile(peak, 2)))
+        2
     """
     rays = values.reshape(-1, TAIL_DOUBLINGS)
     index = jnp.where(jnp.isfinite(rays), jnp.arange(TAIL_DOUBLINGS), -1)
     last, _ = jax.lax.top_k(index, 3)  # the three farthest finite points, farthest first
     enough = jnp.all(last >= 0, axis=1)
     far = jnp.take_along_axis(rays, jnp.maximum(last, 0), axis=1)
-    rising = (far[:, 0] >= far[:, 1]) & (far[:, 1] >= far[:, 2])
-    return jnp.any(enough & rising)
+    dist = 2.0 ** last.astype(values.dtype)
+    rising = enough & (far[:, 0] >= far[:, 1]) & (far[:, 1] >= far[:, 2])
+    outer = (far[:, 0] - far[:, 1]) / (dist[:, 0] - dist[:, 1])
+    inner = (far[:, 1] - far[:, 2]) / (dist[:, 1] - dist[:, 2])
+    grows = rising & (outer >= TAIL_SLOPE_RATIO * inner)
+    unseen = rising & (last[:, 0] < TAIL_DOUBLINGS - 1)
+    return jnp.where(jnp.any(grows), GROWS, jnp.where(jnp.any(unseen), RISES_UNSEEN, 0))
 
 
 def kish(log_w: jax.Array) -> jax.Array:

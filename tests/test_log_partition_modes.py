@@ -492,6 +492,84 @@ def test_a_divergent_integral_over_the_globals_is_flagged_through_quadrature_ove
     assert any("most likely +inf" in str(w.message) for w in record)
 
 
+
+def poisson_log_z(rate, T):
+    """float64 log sum_k exp((k log r - r - log k!) / T): the series for r / T <= 30 and the
+    three-term expansion of Gaunt et al. (2019, Theorem 1) beyond (error below 2e-7)."""
+    from scipy.special import gammaln
+
+    nu, x = 1.0 / T, rate / T
+    c1 = (nu**2 - 1) / 24
+    c2 = (nu**2 - 1) * (nu**2 + 23) / 1152
+    c3 = (nu**2 - 1) * (5 * nu**4 - 298 * nu**2 + 11237) / 414720
+    with np.errstate(all="ignore"):
+        out = (0.5 * (1 - nu) * np.log(2 * np.pi * rate) + 0.5 * np.log(T)
+               + np.log1p(c1 / x + c2 / x**2 + c3 / x**3))
+    small = x <= 30
+    k = np.arange(0.0, 60 * T + 12 * np.sqrt(30.0) * T + 40)
+    r = rate[small][:, None]
+    out[small] = logsumexp((k * np.log(r) - r - gammaln(k + 1)) / T, axis=-1)
+    return out
+
+
+def test_an_integrand_rising_into_float32_overflow_is_flagged_not_called_divergent():
+    """b ~ N(0, 1), y_n ~ Poisson(exp(1 + b x_n)), N = 60, x_n ~ N(0, 4): the tempered
+    normalisers grow like (1 - 1/T)/2 log rate_n, linearly in b, so that at T = 5 the
+    integrand peaks at b = -21.5 (log C = 310.7 by quadrature in float64): finite. In
+    float32 the rates overflow past b = -17.3 (x_n up to 5): the model's density is NaN
+    there, and the SMC, seeing only the rest, returned 300.6 +- 0.1. Before, the tail check
+    read the three rising finite ray points as a divergence ("most likely +inf"); a rule
+    that only asked whether the rise slows down would have let 300.6 through unflagged. Now:
+    flagged, standard error inf, and the warning says the mass lies beyond the finite
+    region, not that log C is infinite."""
+    num, temps = 60, np.array([1.0, 5.0])
+    x = (2.0 * np.random.default_rng(7).normal(size=num)).astype(np.float32)
+
+    def model(x, y):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("y", dist.Poisson(jnp.exp(1.0 + b * x)), obs=y)
+
+    b = np.linspace(-60.0, 60.0, 2_401)
+    rates = np.exp(1.0 + b[:, None] * x.astype(np.float64)[None])
+    log_l = poisson_log_z(rates.reshape(-1), 5.0).reshape(rates.shape).sum(1)
+    exact = log_quadrature(norm.logpdf(b) + log_l, b)
+    assert abs(exact - 310.70) < 0.01 and b[np.argmax(norm.logpdf(b) + log_l)] < -20
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = log_partition(KEY, model, jnp.asarray(temps), jnp.asarray(x),
+                            jnp.zeros(num), plate="data", num_particles=64,
+                            num_mcmc_steps=2, progress_bar=False)
+    assert float(est.log_c[1]) < exact - 1.0  # the mass past the overflow is not seen
+    assert est.flagged[1] and int(est.tail_grows[1]) == 2 and np.isinf(float(est.stderr[1]))
+    messages = " ".join(str(w.message) for w in record)
+    assert "stops being finite" in messages and "most likely +inf" not in messages
+
+
+
+def test_a_peak_hundreds_of_prior_sds_out_is_not_called_divergent():
+    """s ~ LogNormal(0, 0.5), x_n ~ N(0, s), N = 1000: C(T) = T^(N/2) (2 pi)^(k/2) E[s^k],
+    k = N (1 - 1/T), E[s^k] = exp(k^2 0.25 / 2): finite, with the tilted mode at log s =
+    k 0.25 = 225 at T = 10, 450 prior sds out. The tail check's rays (out to 256 in log s)
+    rise all the way, slowing down (a peak ahead, not a divergence): it called this right
+    answer "most likely +inf" with an infinite standard error (found by a probe). The rule
+    of slopes lets it through, right and unflagged."""
+
+    def model(x):
+        s = numpyro.sample("s", dist.LogNormal(0.0, 0.5))
+        with numpyro.plate("data", x.shape[0]):
+            numpyro.sample("x", dist.Normal(0.0, s), obs=x)
+
+    num, T = 1000, 10.0
+    k = num * (1 - 1 / T)
+    exact = num / 2 * np.log(T) + k / 2 * np.log(2 * np.pi) + k**2 * 0.25 / 2
+    est = log_partition(KEY, model, jnp.asarray([1.0, T]), jnp.zeros(num), plate="data",
+                        progress_bar=False)
+    assert not est.flagged[1] and int(est.tail_grows[1]) == 0
+    # float32 resolves 103,228 to ~0.008
+    assert abs(float(est.log_c[1]) - exact) < 4 * float(est.stderr[1]) + 0.02
+
+
 LABEL_N, LABEL_SD = 200, 3.0
 
 
