@@ -804,6 +804,11 @@ def tempered_multinomial_exact(dist: Distribution, temperature: Array) -> Temper
 
 _SERIES_CHUNK = 128
 _SERIES_FIRST_CHUNK = 16
+#: laws whose tempered normaliser is a sum over terms (the series of :func:`_series_loop`;
+#: the negative binomials' head and tail rule, :mod:`numpyro_tempering.tempered_families`):
+#: evaluated at every particle and step of an SMC, its run, not its compile, dominates
+#: there (``log_partition`` compiles such a model at XLA's default optimisation level)
+SERIES_LAWS = (npd.Poisson, npd.BinomialProbs, npd.BinomialLogits, npd.GammaPoisson)
 _SERIES_MAX_TERMS = 1 << 22
 
 

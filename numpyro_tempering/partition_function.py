@@ -177,7 +177,7 @@ from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, Selection, temper
-from numpyro_tempering.partition import Fallback, tempered
+from numpyro_tempering.partition import SERIES_LAWS, Fallback, tempered
 from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
 from numpyro_tempering.structure import (
@@ -314,13 +314,7 @@ class _Structure(NamedTuple):
     sizes: ModelSizes
     local_latents: tuple[str, ...]  # redrawn num_inner times per element
     untempered_observed: tuple[str, ...]  # importance weights (C(1) != 1 legitimately)
-    series: bool = False  # a tempered site's normaliser is a series (see _SERIES_LAWS)
-
-
-#: laws whose tempered normaliser is a series summed in a loop (``partition._series_loop``),
-#: evaluated at every particle and step of the SMC: its run, not its compile, dominates,
-#: and XLA's default optimisation level serves it better than level 0
-_SERIES_LAWS = (npd.Poisson, npd.BinomialProbs, npd.BinomialLogits, npd.GammaPoisson)
+    series: bool = False  # a tempered site's normaliser is a series (partition.SERIES_LAWS)
 
 
 def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _Structure:
@@ -363,7 +357,7 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
         untempered_observed=tuple(
             sorted(n for n, s in samples.items() if s["is_observed"] and n not in tempered_sites)
         ),
-        series=any(isinstance(_unwrapped(s["fn"]), _SERIES_LAWS)
+        series=any(isinstance(_unwrapped(s["fn"]), SERIES_LAWS)
                    for s in tempered_sites.values()),
     )
 

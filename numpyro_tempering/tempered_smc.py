@@ -784,6 +784,9 @@ def tail_grows(values: jax.Array) -> jax.Array:
         >>> peak = jnp.where(u <= 32, -u**2 / 2 + 40 * u, jnp.nan)  # a peak at 40, unseen
         >>> int(tail_grows(jnp.tile(peak, 2)))
         2
+        >>> far = jnp.where(u <= 32, -u**2 / 2 + 136 * u, jnp.nan)  # 17 x 8 out: misread
+        >>> int(tail_grows(jnp.tile(far, 2)))
+        1
     """
     rays = values.reshape(-1, TAIL_DOUBLINGS)
     index = jnp.where(jnp.isfinite(rays), jnp.arange(TAIL_DOUBLINGS), -1)
