@@ -125,7 +125,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--q-y-step", default=DEFAULT_Q_Y_STEP,
                         help="MVI: q(y)'s update, MulticanonicalELBO(step_size=...): 'eq18' "
                              "(the exact optimum at every step), a constant rho in (0, 1], or "
-                             "'rm:TAU,KAPPA' (Robbins-Monro rho_t = (TAU + t)^-KAPPA); "
+                             "'rm:TAU,KAPPA' (Robbins-Monro rho_t = (TAU + t)^-KAPPA), or "
+                             "'every:N' (eq. 18 every N steps, held between: the paper's); "
                              "default %(default)s")
     parser.add_argument("--lr", type=float, default=0.02, help="Adam learning rate (cosine decay)")
     parser.add_argument("--polish-steps", type=int, default=300,
@@ -152,6 +153,9 @@ def q_y_step_size(spec: str):
     """``--q-y-step`` as ``MulticanonicalELBO``'s ``step_size``."""
     if spec == "eq18":
         return None
+    if spec.startswith("every:"):
+        every = int(spec[6:])
+        return lambda t: jnp.where(jnp.asarray(t) % every == 0, 1.0, 0.0)
     if spec.startswith("rm:"):
         tau, kappa = (float(v) for v in spec[3:].split(","))
         return robbins_monro(tau, kappa)

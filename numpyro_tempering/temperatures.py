@@ -238,7 +238,9 @@ def damped_log_weights(
         tempered_log_lik: :math:`\ell_m` at every rung, ``(M,)`` (as for
             :func:`temperature_posterior`).
         ladder: the ladder (prior and, unless ``log_c`` is given, :math:`\log C`).
-        step_size: :math:`\rho_t \in (0, 1]`.
+        step_size: :math:`\rho_t \in [0, 1]`; 0 holds ``previous`` as it is, whatever
+            :math:`\ell_m` (a schedule that updates :math:`q(y)` only every n steps, as
+            the paper does, is 1 at those steps and 0 between).
         log_c: :math:`\log C(T_m)` to use instead of the ladder's.
 
     Example:
@@ -267,6 +269,7 @@ def damped_log_weights(
     rho = jnp.asarray(step_size, dtype)
     # 0 * (-inf) is NaN: rungs without prior mass stay at -inf
     average = (1.0 - rho) * jnp.where(jnp.isfinite(prev), prev, 0.0) + rho * target
+    average = jnp.where(rho == 0, prev, average)  # held: whatever the fit's l_m
     return jnp.where(jnp.isfinite(log_pi), average, -jnp.inf)
 
 

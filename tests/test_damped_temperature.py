@@ -139,6 +139,21 @@ def test_zero_prior_rungs_stay_minus_infinity():
     assert np.isneginf(a[1]) and np.all(np.isfinite(a[[0, 2]]))
 
 
+def test_a_zero_step_holds_the_log_weights_whatever_the_likelihood():
+    """rho_t = 0 (a schedule updating q(y) only every n steps, between updates) keeps the
+    previous log-weights exactly, even where this step's l_m is not finite (0 * nan would
+    make them NaN); rho_t = 1 is eq. 18."""
+    lad = LADDER.__class__(TEMPS, [0.5, 0.0, 0.5]).with_log_partition_values(
+        normal_log_c(TEMPS)
+    )
+    prev = jnp.array([-0.3, -jnp.inf, -1.2])
+    for ell in (jnp.array([jnp.nan, 1.0, -jnp.inf]), jnp.array([-3.0, -1.5, -1.0])):
+        np.testing.assert_array_equal(damped_log_weights(prev, ell, lad, 0.0), prev)
+    ell = jnp.array([-3.0, -1.5, -1.0])
+    eq18 = np.log([0.5, 0.0, 0.5]) + np.asarray(ell) - normal_log_c(TEMPS)
+    np.testing.assert_allclose(damped_log_weights(prev, ell, lad, 1.0), eq18, rtol=1e-6)
+
+
 def test_errors():
     with pytest.raises(ValueError, match="global temperature"):
         MulticanonicalELBO(LADDER, plate="data", step_size=0.1)
