@@ -16,13 +16,18 @@ import jax
 import numpy as np
 
 
-def compile_steps(svi, args, num_steps: int):
-    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan."""
+def compile_steps(svi, args, num_steps: int, data_as_arguments: bool = False):
+    """``state -> (state, losses)``: ``num_steps`` updates in one compiled scan, the data
+    ``args`` captured as constants of the program, as ``SVI.run`` captures them (or, with
+    ``data_as_arguments``, passed to it as arguments, as a hand-written jitted loop would)."""
 
-    def run(state):
-        return jax.lax.scan(lambda s, _: svi.update(s, *args), state, None, num_steps)
+    def run(state, *data):
+        return jax.lax.scan(lambda s, _: svi.update(s, *data), state, None, num_steps)
 
-    return jax.jit(run)
+    if data_as_arguments:
+        compiled = jax.jit(run)
+        return lambda state: compiled(state, *args)
+    return jax.jit(lambda state: run(state, *args))
 
 
 def time_steps(run, state, num_steps: int):
@@ -34,13 +39,14 @@ def time_steps(run, state, num_steps: int):
     return (time.perf_counter() - start) / num_steps, state
 
 
-def interleaved_times(updates: dict, args, steps: int, repeats: int) -> dict[str, np.ndarray]:
+def interleaved_times(updates: dict, args, steps: int, repeats: int,
+                      data_as_arguments: bool = False) -> dict[str, np.ndarray]:
     """Seconds per step of each ``name -> (svi, state)`` in every repeat, timed in turn per
     repeat (the order rotates from one repeat to the next, so that no objective always runs
-    first or last)."""
+    first or last); ``data_as_arguments``: see :func:`compile_steps`."""
     runs, states = {}, {}
     for name, (svi, state) in updates.items():
-        runs[name] = compile_steps(svi, args, steps)
+        runs[name] = compile_steps(svi, args, steps, data_as_arguments)
         _, states[name] = time_steps(runs[name], state, steps)  # compile + warm up
     names = list(runs)
     times = {name: [] for name in names}
