@@ -85,12 +85,14 @@ from numpyro_tempering.tempered_smc import (
     SMCSettings,
     _cholesky,
     _precision_factor,
+    _rays,
     _smc,
     _solve_lower,
     _solve_upper,
     _Target,
     global_log_prior,
     kish,
+    tail_grows,
 )
 
 __all__ = ["build_joint_runner", "unsupported"]
@@ -522,6 +524,33 @@ def _prior_check(joint: _Joint, key: jax.Array, num_draws: int, t: jax.Array) ->
     return logsumexp(log_w) - math.log(num_draws), kish(log_w)
 
 
+def _laplace_marginal(joint: _Joint, frame: _Frame, t: jax.Array, u: jax.Array) -> jax.Array:
+    r""":math:`\log p(u) + \sum_n \log c_n(u, T)` with every :math:`c_n = \int
+    \tilde p(v_n\mid u)e^{a_n}dv_n` by the Laplace approximation at the locals' conditional
+    mode given ``u`` (:func:`_conditional_modes`, :data:`LOCAL_POLISH_STEPS` steps from the
+    joint mode's linear predictor), :math:`g_n(m_n) + \tfrac d2\log 2\pi - \log|R_n|`:
+    the integrand over the globals that the tail check follows out along its rays (an
+    approximation: the check asks only whether it keeps growing). A prior log density of
+    ``+inf`` (an overflow: a proper prior has none) is NaN, skipped by the check."""
+    v0 = frame.v + jnp.einsum("nda,a->nd", frame.coupling, u - frame.u)
+    v = _conditional_modes(joint, t, u, v0, LOCAL_POLISH_STEPS)
+    log_p, el, rest = joint.log_density(u, v, t)
+    _, low, _ = _local_curvature(joint, t, u, v)
+    log_det = jnp.sum(jnp.log(jnp.diagonal(low, axis1=1, axis2=2)), -1)  # (N,)
+    log_c = el + 0.5 * v.shape[1] * math.log(2 * math.pi) - log_det
+    return jnp.where(log_p == jnp.inf, jnp.nan, log_p) + jnp.sum(log_c) + rest
+
+
+def _tail_check(joint: _Joint, frame: _Frame, t: jax.Array, draws: jax.Array) -> jax.Array:
+    r""":func:`~numpyro_tempering.tempered_smc.tail_grows` of the globals' integrand
+    (:func:`_laplace_marginal`) on the rays of
+    :func:`~numpyro_tempering.tempered_smc._rays` from the prior draws ``draws`` of ``u``:
+    whether :math:`\log C(T)` is most likely :math:`+\infty` (a particle cloud, however
+    large, sees only finite values), as over the globals alone."""
+    values = jax.vmap(lambda u: _laplace_marginal(joint, frame, t, u))(_rays(draws))
+    return tail_grows(values)
+
+
 def build_joint_runner(
     marked: Callable, args: tuple, kwargs: dict, plate: str, fallback: Any,
     global_names: tuple[str, ...], settings: SMCSettings, per_element: bool,
@@ -554,6 +583,10 @@ def build_joint_runner(
 
         prior = jax.lax.map(
             lambda t: _prior_check(joint, key_prior, settings.num_prior_draws, t), temps)
-        return SMCRun(*out, *prior)
+        draws = jax.vmap(lambda k: joint.init(k)[0])(
+            random.split(random.fold_in(key_starts, 1), 256))
+        grows = jax.lax.map(lambda a: _tail_check(joint, best(a[1]), a[0], draws),
+                            (temps, frames))
+        return SMCRun(*out, *prior, tail_grows=grows)
 
     return run

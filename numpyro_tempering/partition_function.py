@@ -789,8 +789,9 @@ class LogPartitionEstimate(NamedTuple):
             the temperature is not flagged (a warning names it; a
             :class:`~numpyro_tempering.ladder.Ladder` refuses it: the multicanonical model
             is improper at that rung).
-        tail_grows: ``(M,)`` (``"smc"``: the routes over the globals alone and
-            ``"quadrature"``, whose locals are integrated out first; not ``"joint"``) where
+        tail_grows: ``(M,)`` (``"smc"``: every route; ``"quadrature"`` and ``"joint"``
+            follow the integrand over the globals with the locals integrated out, by their
+            quadrature or, for ``"joint"``, each element's Laplace approximation) where
             the tempered integrand over the globals does not decay far from the prior's
             centre
             (:func:`~numpyro_tempering.tempered_smc.tail_grows`), as a code: 1 where it

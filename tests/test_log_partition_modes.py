@@ -458,38 +458,59 @@ def test_a_divergent_integral_over_the_globals_is_flagged():
     assert any("most likely +inf" in str(w.message) for w in record)
 
 
-def test_a_divergent_integral_over_the_globals_is_flagged_through_quadrature_over_locals():
-    """The same precision under a LogNormal local scale: tau ~ Gamma(10, 10), s_n ~
-    LogNormal(0, 0.3), x_n ~ N(0, s_n tau^-1/2), N = 30 (the quadrature route over the s_n).
-    log C(T) = N [k/2 log 2 pi + 1/2 log T + k^2 0.09/2] + log E[tau^(-N k/2)], k = 1 - 1/T,
-    finite while N k/2 < 10. Before, the quadrature route had no tail check (T = 4: a finite
-    160.9 with no word of the divergence), and its check's wide rule counted the nodes
-    where s = e^v overflows float32 as +inf (XLA simplifies log(exp(v)) in the LogNormal's
-    density but not in the likelihood's scale s / sqrt(tau)): T = 1.5 came out flagged
-    with an infinite quadrature error although it is right."""
+def precision_under_local_scales(x):
+    """tau ~ Gamma(10, 10), s_n ~ LogNormal(0, 0.3), x_n ~ N(0, s_n tau^-1/2)."""
+    tau = numpyro.sample("tau", dist.Gamma(10.0, 10.0))
+    with numpyro.plate("data", x.shape[0]):
+        s = numpyro.sample("s", dist.LogNormal(0.0, 0.3))
+        numpyro.sample("x", dist.Normal(0.0, s / jnp.sqrt(tau)), obs=x)
+
+
+def precision_under_local_scales_log_c(num, temperature):
+    """log C(T) of :func:`precision_under_local_scales` with N = ``num``: N [k/2 log 2 pi +
+    1/2 log T + k^2 0.09/2] + log E[tau^(-N k/2)], k = 1 - 1/T, finite while N k/2 < 10."""
     from scipy.special import gammaln
 
-    def model(x):
-        tau = numpyro.sample("tau", dist.Gamma(10.0, 10.0))
-        with numpyro.plate("data", x.shape[0]):
-            s = numpyro.sample("s", dist.LogNormal(0.0, 0.3))
-            numpyro.sample("x", dist.Normal(0.0, s / jnp.sqrt(tau)), obs=x)
+    k = 1 - 1 / temperature
+    half = num * k / 2
+    return (num * (k / 2 * np.log(2 * np.pi) + 0.5 * np.log(temperature) + k**2 * 0.09 / 2)
+            + half * np.log(10.0) + gammaln(10.0 - half) - gammaln(10.0))
 
-    num, temps = 30, np.array([1.5, 4.0])
+
+def divergent_under_local_scales(route):
+    """log_partition of :func:`precision_under_local_scales` at N = 30, T = 1.5 (finite) and
+    T = 4 (+inf), and the warnings it gave."""
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        est = log_partition(KEY, model, jnp.asarray(temps), jnp.zeros(num), plate="data",
-                            num_particles=64, num_mcmc_steps=2, progress_bar=False)
-    k = 1 - 1 / temps[0]
-    half = num * k / 2
-    exact = (num * (k / 2 * np.log(2 * np.pi) + 0.5 * np.log(temps[0]) + k**2 * 0.09 / 2)
-             + half * np.log(10.0) + gammaln(10.0 - half) - gammaln(10.0))
-    assert est.route == "quadrature"
+        est = log_partition(KEY, precision_under_local_scales, jnp.asarray([1.5, 4.0]),
+                            jnp.zeros(30), plate="data", num_particles=64, num_mcmc_steps=2,
+                            progress_bar=False, route=route)
+    assert est.route == route
     assert not est.flagged[0] and not est.tail_grows[0]
-    assert abs(float(est.quadrature_error[0])) < 1e-4
+    exact = precision_under_local_scales_log_c(30, 1.5)
     assert abs(float(est.log_c[0]) - exact) < 3 * float(est.stderr[0]) + 0.02
     assert est.flagged[1] and est.tail_grows[1] and np.isinf(float(est.stderr[1]))
     assert any("most likely +inf" in str(w.message) for w in record)
+    return est
+
+
+def test_a_divergent_integral_over_the_globals_is_flagged_through_quadrature_over_locals():
+    """The same precision under a LogNormal local scale (the quadrature route over the s_n,
+    :func:`precision_under_local_scales`, N = 30). Before, the quadrature route had no tail
+    check (T = 4: a finite 160.9 with no word of the divergence), and its check's wide rule
+    counted the nodes where s = e^v overflows float32 as +inf (XLA simplifies log(exp(v)) in
+    the LogNormal's density but not in the likelihood's scale s / sqrt(tau)): T = 1.5 came
+    out flagged with an infinite quadrature error although it is right."""
+    est = divergent_under_local_scales("quadrature")
+    assert abs(float(est.quadrature_error[0])) < 1e-4
+
+
+def test_the_joint_route_flags_a_divergent_integral_over_the_globals():
+    """The same model through the opt-in joint SMC over globals and locals: before, it had
+    no tail check, and T = 4 came out 161.63 +- 0.04, unflagged (log C = +inf). Its rays now
+    follow the globals' integrand with each element's Laplace approximation over its local
+    (joint_smc._laplace_marginal): T = 4 flagged, T = 1.5 right and unflagged."""
+    divergent_under_local_scales("joint")
 
 
 
