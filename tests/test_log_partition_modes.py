@@ -362,6 +362,14 @@ def test_a_far_minority_component_is_found_with_the_locals_integrated_by_quadrat
     its final particles are checked against the rays, as over the globals alone. The
     particles' tilted density includes the factor outside the plate as the rays' does
     (without it this right answer was flagged with an infinite standard error)."""
+    est, exact = far_component_with_locals(mixture_prior_with_locals, "auto")
+    assert est.route == "quadrature"
+    check_mixture_prior(est, exact)
+
+
+def far_component_with_locals(model, route):
+    """log_partition of :func:`mixture_prior_with_locals` (or a model equal to it) at T =
+    1.5 and 3, key 4 (no prior draw in the minority component), and the exact log C."""
     temps = np.array([1.5, 3.0])
     k = 1 - 1 / temps
     tilt = MIX_N * k / 4 + MIX_FACTOR  # L_T = const + tilt * mu
@@ -372,11 +380,36 @@ def test_a_far_minority_component_is_found_with_the_locals_integrated_by_quadrat
     assert np.all(exact - majority > 50.0)  # the majority's mass alone: the test can fail
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "log_partition: standard error")
-        est = log_partition(jax.random.PRNGKey(4), mixture_prior_with_locals, temps,
-                            jnp.zeros(MIX_N), plate="data", progress_bar=False,
-                            exclude="f")
-    assert est.route == "quadrature"
+        est = log_partition(jax.random.PRNGKey(4), model, temps, jnp.zeros(MIX_N),
+                            plate="data", progress_bar=False, exclude="f", route=route)
+    return est, exact
+
+
+def test_the_joint_route_finds_a_far_minority_component_and_flags_it_when_it_does_not(
+        monkeypatch):
+    """The same model through the opt-in joint SMC over globals and locals. Its Newton
+    starts were prior draws only and it had no ray check: 220 and 23 nats low (-24.91 +-
+    0.01 against 194.84 at T = 1.5), unflagged. Its starts now include the grid's maxima of
+    the globals' integrand (each element's Laplace approximation over its locals), and its
+    modes are checked against the rays. Without those starts (monkeypatched away, a model
+    equal to it so that the compiled runner is not reused) the rays flag the miss."""
+    from numpyro_tempering import joint_smc
+
+    est, exact = far_component_with_locals(mixture_prior_with_locals, "joint")
+    assert est.route == "joint"
     check_mixture_prior(est, exact)
+
+    def prior_starts_only(target, t, starts, draws):
+        return starts[:1]
+
+    def same_model(x):
+        return mixture_prior_with_locals(x)
+
+    monkeypatch.setattr(joint_smc, "extra_starts", prior_starts_only)
+    est, exact = far_component_with_locals(same_model, "joint")
+    assert np.all(np.asarray(est.log_c) < exact - 20.0)  # the miss itself
+    assert np.all(est.flagged) and np.all(est.missed_mass)
+    assert np.all(np.isinf(np.asarray(est.stderr)))
 
 
 def test_the_minority_component_as_one_of_two_globals_is_flagged_by_the_ladder_and_found():
