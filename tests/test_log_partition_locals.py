@@ -496,3 +496,29 @@ def test_the_polish_reaches_a_gamma_locals_mode_from_its_prior_draws():
     v = polish(v0)
     mode = math.log((0.5 + 1.0 - 0.5) / math.exp(0.3))
     assert np.allclose(np.asarray(v)[:, 0], mode, atol=1e-3), v
+
+
+def student_t_local_df(x):
+    """g ~ N(0, 0.1), nu_n ~ Gamma(2, 2 e^g), x_n ~ StudentT(nu_n): the tempered normaliser
+    is +inf where the tempered t density is not integrable (T = 2: nu_n <= 1, positive
+    prior mass)."""
+    g = numpyro.sample("g", dist.Normal(0.0, 0.1))
+    with numpyro.plate("data", x.shape[0]):
+        nu = numpyro.sample("nu", dist.Gamma(2.0, 2.0 * jnp.exp(g)))
+        numpyro.sample("x", dist.StudentT(nu, 0.0, 1.0), obs=x)
+
+
+def test_a_divergent_temperature_does_not_hide_that_the_locals_matter():
+    """Found by a probe (2026-11-28): log_partition at T = [0.8] integrated the df locals
+    (route "quadrature", -12.939 +- 0.03 against -12.934 by quadrature over nu and
+    Gauss-Hermite over g), but at T = [0.8, 2.0] the probe of whether the locals change the
+    contributions saw +inf - +inf = NaN at T = 2 and answered no, and T = 0.8 came out
+    -13.771 +- 0.03, unflagged, the locals held at one draw. The probe skips entries that
+    say nothing (NaN, the same infinity in both draws) and counts a finite value against
+    an infinite one as a difference."""
+    from numpyro_tempering.handlers import Selection
+
+    marked = pf._marked(student_t_local_df, Selection.of())
+    for temps in ([0.8], [0.8, 2.0], [2.0, 0.8]):
+        assert pf._locals_matter(KEY, marked, jnp.asarray(temps),
+                                                 (jnp.zeros(20),), {}, "data", None), temps

@@ -464,6 +464,38 @@ def test_an_smc_from_the_prior_that_misses_the_minority_component_is_caught_by_t
     assert beyond[0] and np.all(beyond | (np.std(log_z, 0, ddof=1) > MAX_REPLICATE_SD))
 
 
+def narrow_scale_component(x):
+    """A location and a log-scale w whose prior's minority component (weight 1e-3) sits at
+    w = 6 with sd 0.3, 20 of the majority's sds out: x_n ~ N(mu, e^w)."""
+    mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
+    w = numpyro.sample("w", dist.MixtureSameFamily(
+        dist.Categorical(jnp.array([1 - 1e-3, 1e-3])), dist.Normal(jnp.array([0.0, 6.0]), 0.3)))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, jnp.exp(w)), obs=x)
+
+
+def test_a_narrow_component_between_two_doublings_of_the_rays_is_found():
+    """Found by a probe (2026-11-28): with two globals the extra Newton starts came from
+    the rays' doublings, 4.8 and 9.6 prior sds along w, on either side of a component at 6
+    of width 0.3; no start reached it, and at T = 1.045, where it holds e^6 times the
+    majority's mass, log C came out 3.29 (the majority's) against 9.30, standard error
+    0.05, unflagged. The rays now have RAY_DENSITY points per doubling for the starts and
+    the ray check. Exactly (log Z_n = k/2 log 2 pi + 1/2 log T + k w, k = 1 - 1/T): log C =
+    N (k/2 log 2 pi + 1/2 log T) + log sum_j pi_j exp(N k m_j + (N k 0.3)^2 / 2)."""
+    from scipy.special import logsumexp
+
+    num, temp = 50, 1.045
+    k = 1 - 1 / temp
+    base = num * (k / 2 * np.log(2 * np.pi) + 0.5 * np.log(temp))
+    spread = 0.5 * (num * k * 0.3) ** 2
+    exact = base + spread + logsumexp(np.log([1 - 1e-3, 1e-3]) + num * k * np.array([0, 6.0]))
+    assert exact - (base + spread) > 5.0  # the majority alone: the test can fail
+    est = log_partition(jax.random.PRNGKey(0), narrow_scale_component, jnp.array([temp]),
+                        jnp.zeros(num), plate="data", progress_bar=False)
+    assert not est.flagged[0]
+    assert abs(float(est.log_c[0]) - exact) < 3 * float(est.stderr[0]) + 0.05
+
+
 def test_a_divergent_integral_over_the_globals_is_flagged():
     """tau ~ Gamma(10, 10), x_n ~ N(0, tau^-1/2), N = 50: log C(T) = N/2 log T + k/2 log 2 pi
     + log E[tau^(-k/2)], k = N (1 - 1/T), finite only while k/2 < 10 (T < 5/3): the tempered
