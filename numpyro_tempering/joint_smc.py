@@ -602,12 +602,17 @@ def _ray_checks(joint: _Joint, frames: _Frame, t: jax.Array, draws: jax.Array) -
     its largest value on the rays and at the frames' modes (for
     :func:`~numpyro_tempering.tempered_smc.rays_beyond`: a ray point far above every mode
     the reference is built on lies in a region the SMC was not shown)."""
-    best = _best(frames)
-    values = jax.vmap(lambda u: _laplace_marginal(joint, best, t, u))(_rays(draws))
-    at_modes = jax.vmap(lambda f: _laplace_marginal(joint, f, t, f.u))(frames)
+    rays = _rays(draws)
+    # one evaluation site (each is a copy of the model's derivatives in the program): the
+    # rays from the best frame's predictor, each mode from its own frame's
+    best = jax.tree.map(lambda a: jnp.broadcast_to(a, (rays.shape[0],) + a.shape),
+                        _best(frames))
+    pairs = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), best, frames)
+    points = jnp.concatenate([rays, frames.u])
+    values = jax.vmap(lambda f, u: _laplace_marginal(joint, f, t, u))(pairs, points)
     finite = jnp.where(jnp.isnan(values), -jnp.inf, values)
-    return (tail_grows(values), jnp.max(finite),
-            jnp.max(jnp.where(jnp.isnan(at_modes), -jnp.inf, at_modes)))
+    num = rays.shape[0]
+    return tail_grows(values[:num]), jnp.max(finite[:num]), jnp.max(finite[num:])
 
 
 def build_joint_runner(
