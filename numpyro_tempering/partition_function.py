@@ -170,6 +170,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpyro.distributions as npd
 from jax import lax, random
+from jax.extend.core import Literal
 from jax.scipy.special import logsumexp
 from numpyro.distributions.distribution import Unit
 from numpyro.handlers import seed, substitute, trace
@@ -1115,6 +1116,36 @@ def _global_sites(marked: Callable, args: tuple, kwargs: dict, plate: str | None
     return tuple(n for n in names if n not in discrete), discrete
 
 
+def _refuse_fixed_globals(marked: Callable, args: tuple, kwargs: dict, names: tuple) -> None:
+    """A ``ValueError`` naming the continuous global latents whose value does not depend on
+    the random key (a ``handlers.substitute`` around the model fixed it, or a ``Delta``):
+    the SMC integrates over every global latent with values of its own, which override an
+    inner ``substitute``, so log C came out as if the site were not fixed (found by a
+    probe). Read off the jaxpr of one prior run: nothing is compiled."""
+    if not names:
+        return
+
+    def run(key: jax.Array) -> list:
+        tr = trace(seed(marked, key)).get_trace(*args, **kwargs)
+        return [tr[n]["value"] for n in names]
+
+    jaxpr = jax.make_jaxpr(run)(random.PRNGKey(0)).jaxpr
+    tainted = set(jaxpr.invars)
+    for eqn in jaxpr.eqns:
+        if any(not isinstance(v, Literal) and v in tainted for v in eqn.invars):
+            tainted.update(eqn.outvars)
+    fixed = [n for n, v in zip(names, jaxpr.outvars, strict=True)
+             if isinstance(v, Literal) or v not in tainted]
+    if fixed:
+        raise ValueError(
+            f"log_partition: the global latent site(s) {fixed} have a value that does not "
+            "depend on the random key (fixed by handlers.substitute, or a Delta); "
+            "log_partition integrates over every global latent and would ignore it. To fix "
+            "a global, condition on it (handlers.condition(model, {name: value}) with "
+            "sites= naming the tempered observations), or make it an argument of the model."
+        )
+
+
 def _warn_fallback(reason: str) -> None:
     warnings.warn(
         f"log_partition: the tempered SMC estimator cannot handle this model ({reason}); "
@@ -1625,6 +1656,7 @@ def log_partition(
     if method == "prior":
         return prior()
     global_names, discrete = _global_sites(marked, args, kwargs, plate)
+    _refuse_fixed_globals(marked, args, kwargs, global_names)
     if not global_names and not discrete:
         return prior()  # no outer integral: the nested average over the locals only
     if discrete:

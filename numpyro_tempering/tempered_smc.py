@@ -149,6 +149,13 @@ REFERENCE_INFLATION = 1.5
 GRID_STARTS = 4
 GRID_START_DROP = 30.0
 GRID_POINTS = 2049
+#: a +inf of the tilted density on the grid or the rays counts as a divergence only within
+#: this many robust prior scales of the draws' median (prior mass beyond: below e^-800,
+#: under float64's smallest number); further out it is dropped like a NaN: a closed form
+#: overflows there first (a Gamma rate e^-87 in float32, rate / T a subnormal flushed to
+#: 0, log Z = +inf; a covariance s^2 Sigma at s = e^45), and one such point made a finite
+#: log C "+inf", unflagged (found by a probe)
+DIVERGENCE_REACH = 40.0
 GRID_REACH = 512.0
 GRID_CENTRE_STEP = 1.0 / 32.0
 #: several global coordinates: Newton runs also start from the RAY_STARTS points of the
@@ -831,7 +838,9 @@ def prior_check_at(
     flag). The trapezoid is exact to rounding for a mode wider than a few grid steps; for a
     narrower one its error can reach the ratio of the grid's spacing to the mode's width,
     but its ESS is then below ``MIN_PRIOR_ESS`` and only a shortfall beyond log 1000 is
-    flagged. ``batch_size``: the target is evaluated at that many points at a time."""
+    flagged. A +inf on the grid or the rays beyond ``DIVERGENCE_REACH`` robust prior scales
+    is dropped like a NaN (float overflow of a closed form, not a divergence).
+    ``batch_size``: the target is evaluated at that many points at a time."""
     rays = jnp.concatenate([_rays(draws, RAY_DENSITY), jnp.zeros_like(draws[:1])])  # + origin
     num, num_rays = draws.shape[0], rays.shape[0]
     on_grid = draws.shape[-1] == 1
@@ -845,6 +854,9 @@ def prior_check_at(
     # grid, made the trapezoid +inf and log C "divergent" at every T, even T = 1
     log_p = jnp.where(log_p == jnp.inf, jnp.nan, log_p)
     on_rays = log_p[num:num + num_rays] + log_l[num:num + num_rays]
+    centre, scale = _robust_centre_scale(draws)
+    far = jnp.max(jnp.abs(rays - centre) / scale, axis=-1) > DIVERGENCE_REACH
+    on_rays = jnp.where(far & (on_rays == jnp.inf), jnp.nan, on_rays)
     log_w, grows = log_l[:num], tail_grows(on_rays[:-1].reshape(-1, RAY_DENSITY)[:, 0])
     ray_max = jnp.max(jnp.where(jnp.isnan(on_rays), -jnp.inf, on_rays))
     log_w = jnp.where(jnp.isnan(log_w), -jnp.inf, log_w)
@@ -852,7 +864,8 @@ def prior_check_at(
     if not on_grid:
         return log_mean, kish(log_w), grows, ray_max
     f = log_p[num + num_rays:] + log_l[num + num_rays:]
-    f = jnp.where(jnp.isnan(f), -jnp.inf, f) + log_weights
+    far = jnp.abs(grid - centre[0]) > DIVERGENCE_REACH * scale[0]
+    f = jnp.where(jnp.isnan(f) | (far & (f == jnp.inf)), -jnp.inf, f) + log_weights
     log_trap = logsumexp(f)
     use_grid = log_trap > log_mean
     return (jnp.where(use_grid, log_trap, log_mean),
