@@ -764,7 +764,7 @@ def _rays(draws: jax.Array, density: int = 1) -> jax.Array:
 def tail_grows(values: jax.Array) -> jax.Array:
     r"""Whether the log integrand :math:`\log p(u) + L_T(u)` on the rays of :func:`_rays`
     (``values``, ``(2 D TAIL_DOUBLINGS,)``) fails to decay along some ray, as a code:
-    ``GROWS`` (1) where it is non-decreasing over the ray's three farthest finite points and
+    ``GROWS`` (1) where it is increasing over the ray's three farthest finite points and
     not slowing down there, ``RISES_UNSEEN`` (2) where it rises but slows, up to points past
     which it is not finite, else 0. (NaN and infinities are skipped: the farthest points can
     overflow a constraining transform or the model's own arithmetic, e.g. :math:`e^{-164}`
@@ -808,7 +808,10 @@ def tail_grows(values: jax.Array) -> jax.Array:
     enough = jnp.all(last >= 0, axis=1)
     far = jnp.take_along_axis(rays, jnp.maximum(last, 0), axis=1)
     dist = 2.0 ** last.astype(values.dtype)
-    rising = enough & (far[:, 0] >= far[:, 1]) & (far[:, 1] >= far[:, 2])
+    # strictly: a plateau is float saturation (a Dirichlet's stick-breaking at u ~ 17 in
+    # float32: the simplex point and its Jacobian stop changing), not a growth; it called
+    # Categorical observations under a Dirichlet prior "most likely +inf" at every T
+    rising = enough & (far[:, 0] > far[:, 1]) & (far[:, 1] > far[:, 2])
     outer = (far[:, 0] - far[:, 1]) / (dist[:, 0] - dist[:, 1])
     inner = (far[:, 1] - far[:, 2]) / (dist[:, 1] - dist[:, 2])
     grows = rising & (outer >= TAIL_SLOPE_RATIO * inner)
