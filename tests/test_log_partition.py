@@ -759,18 +759,21 @@ def test_a_closed_form_overflowing_far_out_on_the_grid_is_not_a_divergence(case)
     assert_within_se(est, exact, k=3.0, atol=5e-4)
 
 
-def test_a_global_fixed_by_substitute_is_refused():
+@pytest.mark.parametrize("how", ["substitute", "delta"])
+def test_a_global_fixed_by_substitute_is_refused(how):
     """substitute(model, {"s": 2}) fixes a global's value, but the SMC integrated over s with
     values of its own (its substitute overrides the user's inner one): log C came out as for
     the model without the substitute, unflagged (249.23 at T = 0.5 where the model with s
-    fixed has -97.93; found by a probe). It is refused, naming the site."""
+    fixed has -97.93; found by a probe). It is refused, naming the site; so is a global
+    drawn from a Delta (its value does not depend on the key either)."""
 
     def model(x):
-        s = numpyro.sample("s", dist.LogNormal(0.0, 0.5))
+        prior = dist.LogNormal(0.0, 0.5) if how == "substitute" else dist.Delta(2.0)
+        s = numpyro.sample("s", prior)
         with numpyro.plate("data", x.shape[0]):
             numpyro.sample("x", dist.Normal(0.0, s), obs=x)
 
-    fixed = numpyro.handlers.substitute(model, {"s": 2.0})
+    fixed = numpyro.handlers.substitute(model, {"s": 2.0}) if how == "substitute" else model
     with pytest.raises(ValueError, match=r"\['s'\].*does not\s+depend on the random key"):
         log_partition(KEY, fixed, np.array([2.0]), jnp.zeros(20), plate="data",
                       progress_bar=False)
