@@ -104,7 +104,9 @@ from numpyro_tempering.tempered_smc import (
     extra_starts,
     global_log_prior,
     kish,
+    map_runs,
     rays_beyond,
+    run_size,
     tail_grows,
 )
 
@@ -638,7 +640,9 @@ def build_joint_runner(
             return _smc(target, settings, k, t, (frame.u, frame.prec), per_element)
 
         keys = random.split(key_runs, settings.num_replicates)
-        out = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, frames)
+        first = _target(joint, _best(jax.tree.map(lambda a: a[0], frames)), temps[0])
+        size = run_size(first, temps[0], key_fixed, settings.num_particles)
+        out = map_runs(one, keys, temps, frames, size)
 
         prior = jax.lax.map(
             lambda t: _prior_check(joint, key_prior, settings.num_prior_draws, t), temps)

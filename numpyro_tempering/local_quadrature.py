@@ -155,8 +155,10 @@ from numpyro_tempering.tempered_smc import (
     _solve_upper,
     _Target,
     extra_starts,
+    map_runs,
     prior_check_at,
     rays_beyond,
+    run_size,
 )
 
 __all__ = [
@@ -423,8 +425,10 @@ def build_quadrature_runner(
                         final=lambda u: check(u, True), top=True)
 
         keys = random.split(key_runs, settings.num_replicates)
-        *out, quad, top = jax.vmap(jax.vmap(one, (None, 0, 0, 0)), (0, None, None, None))(
-            keys, temps, frames, refs)
+        first = _quad_target(joint, best(jax.tree.map(lambda a: a[0], frames)), temps[0], q)[0]
+        size = run_size(first, temps[0], key_fixed, settings.num_particles)
+        *out, quad, top = map_runs(lambda k, t, fr: one(k, t, *fr), keys, temps,
+                                   (frames, refs), size)
         prior_draws = jax.vmap(lambda k: joint.init(k)[0])(
             random.split(key_prior, settings.num_prior_draws))
 

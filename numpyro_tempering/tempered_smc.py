@@ -68,8 +68,10 @@ draws fails (the failure mode of issue 11). Here it is estimated like an evidenc
   variance spans the gaps between modes), and a step size adapted between stages from the
   previous stage's acceptance rate (target 0.65). A global that the tempered factor barely
   touches keeps its prior-scale variance in the mass matrix, so it still moves.
-* **Vectorised** over the temperatures and over ``R`` independent replicates (``vmap``),
-  compiled once per model, selection and shapes and cached (``_CACHE``).
+* **Vectorised** over the temperatures and over ``R`` independent replicates (``vmap``)
+  while their particles' arrays stay small, in groups run one after the other beyond that
+  (:func:`map_runs`), compiled once per model, selection and shapes and cached
+  (``_CACHE``).
 
 **Why blackjax's SMC and not our own.** ``blackjax.smc.adaptive_tempered`` is a maintained,
 tested implementation of exactly this algorithm (the ESS root solve for the next
@@ -453,6 +455,81 @@ def depends_on_globals(
             u, jnp.asarray(temperature, u.dtype))
     _, used = dce_jaxpr(closed.jaxpr, [True], instantiate=False)
     return bool(used[0])
+
+
+#: the runs of one call (replicates x temperatures) are vectorised together while all their
+#: particles' largest array (:func:`largest_array` times the particles) stays within this
+#: many elements, and beyond it in groups of that size, one group after the other: a
+#: vectorised group makes arrays of (runs x particles x elements) that leave the cache
+#: (a logistic regression, N = 1,000, 12 runs of 256 particles: 35 s a call vectorised,
+#: 11.7 s one run at a time, the same numbers; docs/reproductions.md)
+RUN_BUDGET = 2**18
+
+
+def largest_array(fn: Callable, *example: Any) -> int:
+    """The number of elements of the largest array that ``fn(*example)`` computes: the
+    equations of its jaxpr and of the jaxprs inside them (loops, conditionals, calls),
+    traced, never run.
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> largest_array(lambda x: jnp.sum(jnp.outer(x, x)), jnp.ones(5))
+        25
+    """
+    from jax.extend.core import subjaxprs
+
+    def walk(jaxpr: Any) -> int:
+        sizes = [math.prod(getattr(v.aval, "shape", ())) for eqn in jaxpr.eqns
+                 for v in eqn.outvars]
+        return max([0, *sizes, *(walk(sub) for sub in subjaxprs(jaxpr))])
+
+    return walk(jax.make_jaxpr(fn)(*example).jaxpr)
+
+
+def run_size(target: _Target, temperature: jax.Array, key: jax.Array,
+             num_particles: int) -> int:
+    """The elements of one SMC run's largest array: ``num_particles`` times the largest
+    array of one evaluation of the ``target``'s prior and pieces (:func:`largest_array`, at
+    a prior draw)."""
+    return num_particles * largest_array(
+        lambda u: (target.log_prior(u), target.pieces(u, temperature)), target.init(key))
+
+
+def runs_per_group(num_runs: int, size: int) -> int:
+    """How many of ``num_runs`` SMC runs of ``size`` elements (:func:`run_size`) to vectorise
+    together: as many as fit ``RUN_BUDGET`` (at least 1), a divisor of ``num_runs`` (no
+    remainder: ``lax.map`` would compile a second copy of the run for it).
+
+    Example:
+        >>> RUN_BUDGET, runs_per_group(12, 256_000), runs_per_group(12, 30_000)
+        (262144, 1, 6)
+        >>> runs_per_group(12, 2_560)  # a small model: every run vectorised
+        12
+    """
+    return max(d for d in range(1, num_runs + 1)
+               if num_runs % d == 0 and (d == 1 or d * size <= RUN_BUDGET))
+
+
+def map_runs(one: Callable, keys: jax.Array, temps: jax.Array, per_temp: Any,
+             run_size: int) -> Any:
+    """``one(key, t, x)`` for every replicate's key of ``keys`` (R,) and every temperature
+    ``t`` of ``temps`` (M,) with its slice ``x`` of ``per_temp`` (leading axis M, or None):
+    the outputs with leading axes (R, M). Vectorised in groups of :func:`runs_per_group`
+    runs (``run_size``: the elements of one run's largest array), the groups one after the
+    other (``lax.map``); the same numbers as vectorising every run."""
+    num_reps, num_temps = keys.shape[0], temps.shape[0]
+    total = num_reps * num_temps
+    group = runs_per_group(total, run_size)
+    if group == total:
+        return jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, per_temp)
+
+    def run(index: tuple) -> Any:
+        r, m = index
+        return one(keys[r], temps[m], jax.tree.map(lambda a: a[m], per_temp))
+
+    index = (jnp.repeat(jnp.arange(num_reps), num_temps), jnp.tile(jnp.arange(num_temps), num_reps))
+    out = jax.lax.map(run, index, batch_size=group)
+    return jax.tree.map(lambda a: a.reshape((num_reps, num_temps, *a.shape[1:])), out)
 
 
 # -----------------------------------------------------------------------------------------
@@ -1050,7 +1127,8 @@ def build_runner(
         def one(k: jax.Array, t: jax.Array, ref: Any) -> tuple:
             return _smc(target, settings, k, t, ref, per_element, top=True)
 
-        *out, top = jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, refs)
+        size = run_size(target, temps[0], key_fixed, settings.num_particles)
+        *out, top = map_runs(one, keys, temps, refs, size)
         prior_log_c, prior_ess, grows, ray_max = _prior_check(target, key_fixed, settings,
                                                               temps)
         dim = jax.eval_shape(target.init, key_fixed).shape[-1]
