@@ -232,6 +232,75 @@ def test_schedule_clock_is_read_once_per_step_outside_the_particle_map(vectorize
     assert float(state["_temper_clock"]["temperature"]) == 2.0
 
 
+def scale_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, s), obs=x)
+
+
+@pytest.mark.parametrize("num_particles", [1, 4])
+def test_runtime_temperature_derivatives_equal_a_literal_ones(num_particles):
+    # A traced T (a schedule's) goes through engine._tempered_total, whose derivative applies
+    # 1/T to the inputs' tangents (so that XLA folds the likelihood's per-element backward
+    # pass as for Trace_ELBO): value, gradient, forward mode and second order all equal the
+    # literal T's (which takes the ordinary path).
+    guide = AutoNormal(scale_model)
+    svi = SVI(scale_model, guide, optax.adam(0.1), Trace_ELBO())
+    params = svi.get_params(svi.init(KEY, X))
+
+    def loss(params, T):
+        return TemperedELBO(num_particles, temperature=T).loss(KEY, params, scale_model, guide, X)
+
+    # the loss is A + B / T at a fixed key: B from two literal temperatures
+    b = 2.0 * (loss(params, 1.0) - loss(params, 2.0))
+    for T in (0.7, 3.0):
+        literal = jax.value_and_grad(loss)(params, T)
+        traced = jax.jit(jax.value_and_grad(loss))(params, jnp.asarray(T))
+        for x, y in zip(jax.tree.leaves(literal), jax.tree.leaves(traced), strict=True):
+            np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-6)
+        second = jax.jit(jax.hessian(lambda t: loss(params, t)))(jnp.asarray(T))
+        np.testing.assert_allclose(second, 2.0 * b / T**3, rtol=1e-4)
+        direction = jax.tree.map(jnp.ones_like, params)
+        _, tangent = jax.jvp(lambda p, t=T: loss(p, jnp.asarray(t)), (params,), (direction,))
+        grad = jax.grad(loss)(params, T)
+        expected = sum(jnp.sum(g) for g in jax.tree.leaves(grad))
+        np.testing.assert_allclose(tangent, expected, rtol=1e-5)
+
+
+def test_runtime_temperature_on_a_distribution_that_does_not_rebuild():
+    # a distribution keeping an attribute that is no pytree field cannot go through
+    # _tempered_total (flatten/unflatten would drop it): it takes the ordinary path
+    class Shifted(dist.Distribution):
+        arg_constraints = {"loc": dist.constraints.real}
+        support = dist.constraints.real
+
+        def __init__(self, loc, n):
+            self.loc = loc
+            self.half = 0.5 * jnp.ones(n)  # not declared
+            super().__init__((n,), ())
+
+        def log_prob(self, value):
+            return -self.half * (value - self.loc) ** 2
+
+    def model(x):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+        numpyro.sample("x", Shifted(mu, x.shape[0]), obs=x)
+
+    def guide(x):
+        numpyro.sample("mu", dist.Normal(numpyro.param("loc", 0.3), 1.0))
+
+    params = {"loc": 0.3}
+
+    def loss(params, T):
+        return TemperedELBO(2, temperature=T).loss(KEY, params, model, guide, X)
+
+    literal = jax.value_and_grad(loss)(params, 2.0)
+    traced = jax.jit(jax.value_and_grad(loss))(params, jnp.asarray(2.0))
+    for x, y in zip(jax.tree.leaves(literal), jax.tree.leaves(traced), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5)
+
+
 def test_schedule_given_to_the_elbo_points_to_temper():
     with pytest.raises(TypeError, match="temper\\(model, schedule\\)"):
         TemperedELBO(temperature=schedules.linear(10.0, 1.0, 100))
