@@ -19,6 +19,13 @@ Four measurements, each against an exact reference:
    the assignments exactly. For data the model fits, it concentrates at T = 1 as the
    document grows: the posterior of the temperature is not an annealing schedule, it
    reports the fit.
+5. **Short documents stay hot, exactly, and MVI's q(y_d) is hotter still.** A corpus drawn
+   from LDA at T = 1 (K = 3, V = 40, alpha = eta = 0.3, 400 documents of L = 2, 4, 8
+   words): the exact posterior p(y_d = m | w_d, beta) of the multicanonical model at the
+   true topics (every assignment enumerated, Dirichlet moments in closed form, the exact
+   log C_d) against ``lda_svi.local_step``'s q(y_d) (eq. 18 over the anchor fits) at the
+   same topics, and the E[T] a fit (``Multicanonical.paper()``, 3 passes) ends at. A few
+   words hardly move the temperature off its prior (found by a probe, 2026-11-28).
 
 Run: ``python benchmarks/lda_mvi_diagnosis.py`` (about a minute on 2 CPU cores).
 """
@@ -157,8 +164,38 @@ def exact_temperature_posterior() -> None:
                   f"{np.mean(posts @ temps):5.2f}, of p(T = 1) = {np.mean(posts[:, 0]):.3f}")
 
 
+def short_documents() -> None:
+    print("\n5. short documents drawn at T = 1 (K = 3, V = 40, alpha = eta = 0.3): E[T] of "
+          "the exact posterior and of MVI's q(y_d) at the true topics, and a fit's last E[T]")
+    mc = lda_svi.Multicanonical.paper()
+    temps, inv, alpha, num_topics, vocab = mc.temperatures, 1.0 / mc.temperatures, 0.3, 3, 40
+    for length in (2, 4, 8):
+        corpus, truth = corpora.synthetic(0, 400, length, num_topics, vocab, alpha=alpha,
+                                          eta=alpha)
+        fit = lda_svi.fit(corpus, num_topics, passes=3, batch_size=50, temperature=mc,
+                          tau=10.0, seed=0, alpha=alpha, eta=alpha)
+        docs = np.arange(60)
+        log_c = lp.length_log_partition(lp.topic_log_sums(truth, temps, expected=False),
+                                        temps, alpha, length)[length]
+        exact = [lp.exact_temperature_posterior(
+            truth, np.repeat(corpus.ids[d], corpus.counts[d]), temps, mc.log_weights, alpha)
+            @ temps for d in docs]
+        cfg = lda_svi.config(num_topics, vocab, corpus.num_docs, alpha=alpha, eta=alpha)
+        local = lda_svi.local_step(
+            cfg, jnp.asarray(truth * 1e4, jnp.float32), corpus.ids[docs], corpus.counts[docs],
+            lda_svi.initial_gamma(0, docs.size, num_topics),
+            (inv, mc.log_weights, 1.0 / mc.anchor_temperatures(),
+             np.tile(log_c, (docs.size, 1))))
+        q_t = np.asarray(local.q_y, np.float64) @ temps
+        print(f"   L = {length}: exact E[T] {np.mean(exact):.2f} (range {np.min(exact):.2f}-"
+              f"{np.max(exact):.2f}), MVI q(y_d) {q_t.mean():.2f} ({q_t.min():.2f}-"
+              f"{q_t.max():.2f}); a fit's last E[T] {fit.temperatures[-1]:.2f}; prior "
+              f"{temps.mean():.2f}")
+
+
 if __name__ == "__main__":
     prior_monte_carlo_bias()
     hot_fixed_point()
     jensen_gap()
     exact_temperature_posterior()
+    short_documents()

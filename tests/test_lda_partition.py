@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
@@ -377,3 +378,54 @@ def test_convex_bracket_contains_the_exact_table(seed, alpha, topics, temps):
     mid, half = lp.convex_bracket(1 / temps[::2], table[:, ::2], 1 / temps[1::2], ends)
     assert mid.shape == half.shape == (301, temps[1::2].size)  # several rungs at once
     assert np.all(np.abs(mid - table[:, 1::2]) <= half)
+
+
+def test_the_exact_temperature_posterior_of_one_word_is_the_closed_form():
+    # L = 1: p_T(w | beta) = sum_k E[theta_k^h] beta_kw^h, E[theta_k^h] = G(A) G(a_k + h) /
+    # (G(a_k) G(A + h)), and C(T) = sum_v p_T(v | beta)
+    beta = np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.05, 0.9, 0.05]])
+    alpha, temps = np.array([0.3, 0.5, 1.2]), np.array([1.0, 1.8, 5.0])
+    log_w = np.log([0.5, 0.3, 0.2])
+    h = 1.0 / temps[:, None]
+    moment = np.exp(gammaln(alpha.sum()) + gammaln(alpha + h) - gammaln(alpha)
+                    - gammaln(alpha.sum() + h))  # (M, K)
+    p_w = np.einsum("mk,mkv->mv", moment, beta[None] ** h[:, :, None])  # (M, V)
+    for word in range(3):
+        expected = np.exp(log_w) * p_w[:, word] / p_w.sum(1)
+        post = lp.exact_temperature_posterior(beta, [word], temps, log_w, alpha)
+        np.testing.assert_allclose(post, expected / expected.sum(), rtol=1e-10)
+
+
+def test_short_documents_stay_hot_exactly_and_mvi_is_hotter():
+    """docs/lda.md, "Short documents stay hot, exactly": documents of a few words drawn from
+    LDA at T = 1 keep an exact temperature posterior near the ladder's prior (E[T] 3.92),
+    cooler as they grow, and MVI's q(y_d) (eq. 18 over the anchor fits) is hotter still,
+    at the true topics."""
+    mc = lda_svi.Multicanonical.paper()
+    temps, alpha, lengths, num = mc.temperatures, 0.3, (2, 8), 40
+    corpus, truth = corpora.synthetic(0, num, lengths[-1], 3, 40, alpha=alpha, eta=alpha)
+    # the short documents: 2 of each document's 8 tokens (a subset of an LDA document's
+    # exchangeable tokens is an LDA document), in one local step with the long ones
+    rng = np.random.default_rng(1)
+    short_ids, short_counts = np.zeros_like(corpus.ids), np.zeros_like(corpus.counts)
+    for d in range(num):
+        tokens = rng.permutation(np.repeat(corpus.ids[d], corpus.counts[d]))[: lengths[0]]
+        uniq, cnt = np.unique(tokens, return_counts=True)
+        short_ids[d, : uniq.size], short_counts[d, : uniq.size] = uniq, cnt
+    ids = np.concatenate([short_ids, corpus.ids])
+    counts = np.concatenate([short_counts, corpus.counts])
+    log_c = lp.length_log_partition(lp.topic_log_sums(truth, temps, expected=False), temps,
+                                    alpha, lengths[-1])[np.repeat(lengths, num)]
+    cfg = lda_svi.config(3, 40, 2 * num, alpha=alpha, eta=alpha)
+    local = lda_svi.local_step(
+        cfg, jnp.asarray(truth * 1e4, jnp.float32), ids, counts,
+        lda_svi.initial_gamma(0, 2 * num, 3),
+        (1.0 / temps, mc.log_weights, 1.0 / mc.anchor_temperatures(), log_c))
+    mvi = (np.asarray(local.q_y, np.float64) @ temps).reshape(2, num)
+    exact = np.array([[lp.exact_temperature_posterior(
+        truth, np.repeat(ids[d], counts[d]), temps, mc.log_weights, alpha) @ temps
+        for d in range(k * num, (k + 1) * num)] for k in range(2)])
+    means = {length: (exact[k].mean(), mvi[k].mean()) for k, length in enumerate(lengths)}
+    for length in lengths:
+        assert means[length][1] > means[length][0] + 0.1  # hotter than the exact posterior
+    assert means[2][0] > 3.0 and means[8][0] < means[2][0] - 0.5  # hot, cooling with L

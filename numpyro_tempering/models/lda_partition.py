@@ -74,6 +74,7 @@ heated up instead of cooling with it (docs/lda.md, "Why MVI heated up").
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -90,6 +91,7 @@ __all__ = [
     "conditional_log_partition",
     "convex_bracket",
     "exact_table",
+    "exact_temperature_posterior",
     "fast_topic_log_sums",
     "fitted_topic_log_sums",
     "length_log_partition",
@@ -429,6 +431,59 @@ def length_log_partition(log_b: np.typing.ArrayLike, temperatures: np.typing.Arr
     head = _exact_coefficients(log_f[:, : min(max_length, EXACT_LENGTH) + 1])
     coef = _windowed_table(log_f, head) if max_length > EXACT_LENGTH else head
     return coef.T + _dirichlet_factor(inv_t, alpha, max_length + 1)
+
+
+#: :func:`exact_temperature_posterior` enumerates at most this many assignments
+MAX_ASSIGNMENTS = 10**6
+
+
+def exact_temperature_posterior(topics: np.typing.ArrayLike, words: np.typing.ArrayLike,
+                                temperatures: np.typing.ArrayLike,
+                                log_weights: np.typing.ArrayLike,
+                                alpha: np.typing.ArrayLike) -> np.ndarray:
+    r"""The exact posterior of one document's temperature over the ladder, by enumeration
+    (a reference for tiny problems, :math:`K^L \le` ``MAX_ASSIGNMENTS``):
+
+    .. math::
+
+        p(y = m\mid w, \beta) \propto \pi_m\,\frac{\sum_z \mathbb E_{\theta\sim\mathrm{Dir}
+        (\alpha)}\big[\prod_n \theta_{z_n}^{1/T_m}\big]\prod_n \beta_{z_n w_n}^{1/T_m}}
+        {C(T_m\mid\beta)},
+
+    every assignment :math:`z` of the ``words`` (token ids, in any order) summed, the
+    Dirichlet moments in closed form, :math:`C` from :func:`length_log_partition`
+    (``topics`` (K, V) the topics :math:`\beta`, ``log_weights`` the ladder's
+    :math:`\log\pi_m`). This is the multicanonical model's own posterior, against which
+    eq. 18's variational :math:`q(y_d)` can be compared (docs/lda.md, "Short documents stay
+    hot"). Returns the (M,) probabilities.
+
+    Example:
+        >>> beta = np.array([[0.7, 0.2, 0.1], [0.1, 0.2, 0.7]])
+        >>> uniform = np.full(3, -np.log(3.0))
+        >>> post = exact_temperature_posterior(beta, [0, 0, 2], [1.0, 2.0, 4.0], uniform, 0.5)
+        >>> post.shape, bool(abs(post.sum() - 1) < 1e-12)
+        ((3,), True)
+    """
+    beta = np.asarray(topics, np.float64)
+    words = np.asarray(words, int).reshape(-1)
+    inv_t = _inverse_temperatures(temperatures)
+    num_topics, length = beta.shape[0], words.size
+    if num_topics**length > MAX_ASSIGNMENTS:
+        raise ValueError(f"exact_temperature_posterior enumerates K^L = {num_topics}^{length} "
+                         f"assignments, more than MAX_ASSIGNMENTS = {MAX_ASSIGNMENTS}.")
+    alpha = _concentrations(alpha, num_topics)
+    z = np.array(list(itertools.product(range(num_topics), repeat=length)), int)
+    z = z.reshape(-1, length)  # (K^L, L); one empty assignment for L = 0
+    counts = np.stack([np.bincount(a, minlength=num_topics) for a in z]).astype(float)
+    log_lik = np.log(beta)[z, words[None, :]].sum(1)  # (K^L,)
+    lgam = special.gammaln
+    moments = (lgam(alpha.sum()) - lgam(alpha.sum() + length * inv_t)[:, None]
+               + np.sum(lgam(alpha + counts[None] * inv_t[:, None, None]) - lgam(alpha), -1))
+    log_b = topic_log_sums(beta, temperatures, expected=False)
+    log_c = length_log_partition(log_b, temperatures, alpha, length)[length]
+    log_post = (np.asarray(log_weights, np.float64)
+                + special.logsumexp(moments + inv_t[:, None] * log_lik, axis=1) - log_c)
+    return np.exp(log_post - special.logsumexp(log_post))
 
 
 def conditional_log_partition(lam: np.typing.ArrayLike, temperatures: np.typing.ArrayLike,
