@@ -250,6 +250,11 @@ def main(argv=None) -> dict:
           f"{corpus.num_words} words, padded width {corpus.ids.shape[1]}; K = {args.topics}, "
           f"{args.passes} passes of {steps_per_pass} minibatches of {args.batch_size}, "
           f"tau = {rates['tau']}, kappa = {rates['kappa']}", flush=True)
+    share = heldout.lengths.max() / max(heldout.num_words, 1)
+    if share > 0.25:  # a per-word score is then mostly one document's (found by a probe)
+        print(f"WARNING: one test document holds {share:.0%} of the held-out words; the "
+              f"held-out score per word is mostly that document's (try --split-seed)",
+              flush=True)
 
     if args.devices:
         return scaling(train, args, rates)
@@ -264,9 +269,15 @@ def main(argv=None) -> dict:
             methods["svi T=1 4x stages"] = lambda s: ours(train, args, s, 1.0, rates,
                                                           stage_shrink=4)
         elif name == "annealed":
+            seen = {}  # t_A values that give the same number of steps are one schedule
             for t_a in [float(x) for x in args.anneal_passes.split(",")]:
-                sched = schedules.from_ladder(ladder.temperatures,
-                                              max(1, round(t_a * steps_per_pass)))
+                steps = max(1, round(t_a * steps_per_pass))
+                if steps in seen:
+                    print(f"annealed t_A={t_a:g}: the same {steps}-step schedule as "
+                          f"t_A={seen[steps]:g} at {steps_per_pass} steps a pass; not repeated")
+                    continue
+                seen[steps] = t_a
+                sched = schedules.from_ladder(ladder.temperatures, steps)
                 methods[f"annealed t_A={t_a:g}"] = (
                     lambda s, sched=sched: ours(train, args, s, sched, rates))
         elif name == "mvi":

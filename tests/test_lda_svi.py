@@ -277,6 +277,15 @@ def test_fit_rejects_bad_arguments(tiny):
         lda_svi.fit(corpus, K, kappa=0.3)
     with pytest.raises(ValueError, match="batch_size"):
         lda_svi.fit(corpus, K, batch_size=0)
+    # found by a probe: a per-topic alpha was a TypeError, an all-T = 1 ladder was accepted
+    # and failed later with the whole ladder printed, a corpus of empty documents fitted
+    with pytest.raises(ValueError, match="`alpha` must be one number"):
+        lda_svi.fit(corpus, K, alpha=np.full(K, 0.1))
+    with pytest.raises(ValueError, match="`max_temperature` must be > 1"):
+        lda_svi.Multicanonical.paper(100, max_temperature=1.0)
+    empty = corpus._replace(counts=np.zeros_like(corpus.counts))
+    with pytest.raises(ValueError, match="no words"):
+        lda_svi.fit(empty, K)
 
 
 # -- multicanonical ----------------------------------------------------------------------------

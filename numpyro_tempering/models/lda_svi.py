@@ -175,6 +175,11 @@ def config(
                         ("num_docs", num_docs), ("max_doc_iter", max_doc_iter)):
         if int(value) != value or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+    for name, value in (("alpha", alpha), ("eta", eta)):
+        if value is not None and np.ndim(value) != 0:
+            raise ValueError(f"`{name}` must be one number (a symmetric Dirichlet; the online "
+                             f"updates take no per-topic concentration), got shape "
+                             f"{np.shape(value)}.")
     alpha = 1.0 / num_topics if alpha is None else float(alpha)
     eta = 1.0 / num_topics if eta is None else float(eta)
     for name, value in (("alpha", alpha), ("eta", eta)):
@@ -323,6 +328,9 @@ class Multicanonical(NamedTuple):
         if not (math.isfinite(max_temperature) and max_temperature >= 1.0):
             raise ValueError(f"`max_temperature` must be finite and >= 1, got "
                              f"{max_temperature!r}.")
+        if num_temperatures > 1 and max_temperature == 1.0:
+            raise ValueError(f"`max_temperature` must be > 1 for a ladder of "
+                             f"{num_temperatures} temperatures (they would all be T = 1).")
         temps = np.geomspace(1.0, max_temperature, int(num_temperatures))
         return cls(temps, np.full(temps.size, -math.log(temps.size)), None, refresh,
                    tolerance=tolerance)
@@ -1128,6 +1136,8 @@ def fit(
     num_docs = corpus.num_docs
     if int(batch_size) != batch_size or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got {batch_size!r}.")
+    if num_docs > 0 and not np.any(np.asarray(corpus.lengths) > 0):
+        raise ValueError(f"`corpus` has {num_docs} documents and no words: nothing to fit.")
     batch_size = min(int(batch_size), num_docs)
     if not (math.isfinite(passes) and passes > 0):
         raise ValueError(f"`passes` must be a finite number > 0, got {passes!r}.")
