@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax import random
 from numpyro.distributions import Delta, Distribution
 from numpyro.distributions.util import is_identically_one, lazy_property
-from numpyro.handlers import replay, seed, substitute, trace
+from numpyro.handlers import replay, seed, substitute
 from numpyro.infer.util import compute_log_probs
 from numpyro.primitives import _PYRO_STACK, Messenger
 from numpyro.util import _validate_model, check_model_guide_match, not_jax_tracer
@@ -362,34 +362,20 @@ def _factorable(site: dict) -> bool:
     )
 
 
-def _model_log_probs(model, args, kwargs, params, plate):
-    """``compute_log_probs(model, args, kwargs, params, sum_log_prob=False)`` and ``totals``,
-    the summed log density of each site tempered at a runtime scalar T, computed by
-    :func:`_tempered_total` (such a site's per-element log density is then computed only
-    if a ``plate`` asks for the elements; else its entry is ``None``)."""
-    model_trace = trace(substitute(model, data=params)).get_trace(*args, **kwargs)
-    log_probs, totals = {}, {}
+def _model_log_probs(model, args, kwargs, params):
+    """numpyro's ``compute_log_probs(..., sum_log_prob=False)``, and ``totals``: the summed
+    log density of each site tempered at a runtime scalar T, by :func:`_tempered_total`
+    (the per-element log density of such a site is then only used for a plate's elements;
+    unused, the compiler drops it)."""
+    log_probs, model_trace = compute_log_probs(model, args, kwargs, params, sum_log_prob=False)
+    totals = {}
     for name, site in model_trace.items():
-        if site["type"] != "sample":
-            continue
-        fn, value, scale = site["fn"], site["value"], site["scale"]
-        scale = None if scale is None or is_identically_one(scale) else scale
-        if not site["intermediates"]:
-            try:  # as compute_log_probs
-                jnp.broadcast_shapes(jnp.shape(value), tuple(fn.shape()))
-            except ValueError:
-                raise ValueError(
-                    f"Model and guide shapes disagree at site: '{name}': "
-                    f"{tuple(fn.shape())} vs {jnp.shape(value)}"
-                ) from None
-        if _factorable(site):
-            totals[name] = _tempered_total(fn.inv_temperature, fn.base_dist, value, scale)
-            if plate is None:
-                log_probs[name] = None
-                continue
-        log_prob = (fn.log_prob(value, site["intermediates"]) if site["intermediates"]
-                    else fn.log_prob(value))
-        log_probs[name] = log_prob if scale is None else scale * log_prob
+        if site["type"] == "sample" and _factorable(site):
+            scale = site["scale"]
+            scale = None if scale is None or is_identically_one(scale) else scale
+            fn = site["fn"]
+            totals[name] = _tempered_total(fn.inv_temperature, fn.base_dist, site["value"],
+                                           scale)
     return log_probs, totals, model_trace
 
 
@@ -437,7 +423,7 @@ def _single_sample_model(
     model_seed, params, model, guide_trace, args, kwargs, plate, per_site
 ) -> tuple[_ModelTerms, dict]:
     model_log_probs, totals, model_trace = _model_log_probs(
-        replay(seed(model, model_seed), guide_trace), args, kwargs, params, plate
+        replay(seed(model, model_seed), guide_trace), args, kwargs, params
     )
     check_model_guide_match(model_trace, guide_trace)
     _validate_model(model_trace, plate_warning="loose")
@@ -469,7 +455,7 @@ def _multi_sample_model(
     def one(key, latent):
         with seed(rng_seed=key), substitute(data={**latent, **plates}):
             log_probs, totals, model_trace = _model_log_probs(
-                model, args, kwargs, _fresh_params(params), plate
+                model, args, kwargs, _fresh_params(params)
             )
         _validate_model(model_trace, plate_warning="loose")
         _check_not_enumerated(model_trace, guide_trace)

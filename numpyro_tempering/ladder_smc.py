@@ -89,9 +89,9 @@ from numpyro_tempering.tempered_smc import (
     _prior_check,
     _solve_upper,
     _Target,
+    map_grouped,
     rays_beyond,
     run_size,
-    runs_per_group,
 )
 
 __all__ = ["GROWTH", "MAX_HALVINGS", "MAX_STEP", "WARM_NEWTON_STEPS", "build_ladder_runner"]
@@ -327,12 +327,8 @@ def build_ladder_runner(
         def run(c: LadderCarry) -> tuple:
             return jax.lax.scan(segment, c, 1.0 / temps)
 
-        # the replicates vectorised in groups within RUN_BUDGET (see map_runs)
         size = run_size(target, temps[0], key_fixed, settings.num_particles)
-        group = runs_per_group(settings.num_replicates, size)
-        carry, (log_z, ess, stages, acc, element, lam, top) = (
-            jax.vmap(run)(carry) if group == settings.num_replicates
-            else jax.lax.map(run, carry, batch_size=group))
+        carry, (log_z, ess, stages, acc, element, lam, top) = map_grouped(run, carry, size)
         prior_log_c, prior_ess, grows, ray_max = _prior_check(target, key_fixed, settings,
                                                               temps)
         out = SMCRun(

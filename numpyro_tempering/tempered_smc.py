@@ -510,25 +510,28 @@ def runs_per_group(num_runs: int, size: int) -> int:
                if num_runs % d == 0 and (d == 1 or d * size <= RUN_BUDGET))
 
 
+def map_grouped(fn: Callable, xs: Any, size: int) -> Any:
+    """``fn`` over the leading axis of ``xs``, vectorised in groups of :func:`runs_per_group`
+    runs of ``size`` elements each, the groups one after the other (``lax.map``)."""
+    num = jax.tree.leaves(xs)[0].shape[0]
+    group = runs_per_group(num, size)
+    return jax.vmap(fn)(xs) if group == num else jax.lax.map(fn, xs, batch_size=group)
+
+
 def map_runs(one: Callable, keys: jax.Array, temps: jax.Array, per_temp: Any,
-             run_size: int) -> Any:
+             size: int) -> Any:
     """``one(key, t, x)`` for every replicate's key of ``keys`` (R,) and every temperature
     ``t`` of ``temps`` (M,) with its slice ``x`` of ``per_temp`` (leading axis M, or None):
-    the outputs with leading axes (R, M). Vectorised in groups of :func:`runs_per_group`
-    runs (``run_size``: the elements of one run's largest array), the groups one after the
-    other (``lax.map``); the same numbers as vectorising every run."""
+    the outputs with leading axes (R, M), the R M runs of ``size`` elements each
+    (:func:`run_size`) in groups (:func:`map_grouped`)."""
     num_reps, num_temps = keys.shape[0], temps.shape[0]
-    total = num_reps * num_temps
-    group = runs_per_group(total, run_size)
-    if group == total:
-        return jax.vmap(jax.vmap(one, (None, 0, 0)), (0, None, None))(keys, temps, per_temp)
 
     def run(index: tuple) -> Any:
         r, m = index
         return one(keys[r], temps[m], jax.tree.map(lambda a: a[m], per_temp))
 
     index = (jnp.repeat(jnp.arange(num_reps), num_temps), jnp.tile(jnp.arange(num_temps), num_reps))
-    out = jax.lax.map(run, index, batch_size=group)
+    out = map_grouped(run, index, size)
     return jax.tree.map(lambda a: a.reshape((num_reps, num_temps, *a.shape[1:])), out)
 
 

@@ -9,6 +9,7 @@ import numpyro
 import numpyro.distributions as dist
 import optax
 import pytest
+from numpyro import handlers
 from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.autoguide import AutoNormal
 
@@ -266,6 +267,52 @@ def test_runtime_temperature_derivatives_equal_a_literal_ones(num_particles):
         grad = jax.grad(loss)(params, T)
         expected = sum(jnp.sum(g) for g in jax.tree.leaves(grad))
         np.testing.assert_allclose(tangent, expected, rtol=1e-5)
+
+
+def _seams_subsample_param_factor(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    w = numpyro.param("w", 0.7)
+    with numpyro.plate("data", x.shape[0], subsample_size=6) as idx:
+        numpyro.sample("x", dist.Normal(mu, s), obs=x[idx])
+    numpyro.factor("f", -w * (mu - 1.0) ** 2)
+
+
+def _seams_masked(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]), handlers.mask(mask=x > 0.5):
+        numpyro.sample("x", dist.Normal(mu, s), obs=x)
+
+
+def _seams_unobserved(x):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 2.0))
+    s = numpyro.sample("s", dist.HalfNormal(1.0))
+    with numpyro.plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(mu, s))
+
+
+@pytest.mark.parametrize("case", ["subsample_param_factor", "mask", "condition"])
+def test_runtime_temperature_equals_a_literal_one_through_numpyros_seams(case):
+    # engine._tempered_total under a subsampled plate (a site scale), numpyro.param and
+    # numpyro.factor (a tempered Unit site), handlers.mask and handlers.condition
+    model = {"subsample_param_factor": _seams_subsample_param_factor,
+             "mask": _seams_masked,
+             "condition": handlers.condition(_seams_unobserved, {"x": X})}[case]
+    guide = AutoNormal(handlers.block(model, hide=["w"]))
+    with handlers.seed(rng_seed=0):
+        params = {k: v["value"] for k, v in handlers.trace(guide).get_trace(X).items()
+                  if v["type"] == "param"}
+    params["w"] = jnp.asarray(0.7)
+
+    def loss(p, T):
+        return TemperedELBO(3, temperature=T).loss(KEY, p, model, guide, X)
+
+    literal = jax.value_and_grad(loss)(params, 2.5)
+    traced = jax.jit(jax.value_and_grad(loss))(params, jnp.asarray(2.5))
+    assert "custom_jvp_call" in str(jax.make_jaxpr(loss)(params, jnp.asarray(2.5)))
+    for x, y in zip(jax.tree.leaves(literal), jax.tree.leaves(traced), strict=True):
+        np.testing.assert_allclose(x, y, rtol=2e-5, atol=1e-5)
 
 
 def test_runtime_temperature_on_a_distribution_that_does_not_rebuild():
