@@ -362,6 +362,41 @@ def test_series_stop_at_once_on_nan_parameters():
     assert len(chunks) == 2, len(chunks)
 
 
+def test_a_vmapped_series_runs_each_call_only_as_far_as_it_needs():
+    """Under ``vmap`` (particles, quadrature nodes) the series' calls are queued
+    (partition._series_members): 200 calls, one of them at a rate that needs ~650 terms
+    and the rest a few dozen. Values and gradients equal the calls made one at a time
+    and the brute-force sum, and the terms computed are those the calls need (JAX's
+    batched while_loop ran every call for the slowest one's chunks: 200 x 6 chunks)."""
+    rates = np.concatenate([np.full(199, 2.0), [290.0]]).astype(np.float32)
+    log_z_of = jax.jit(lambda r: tempered_log_normalizer(npd.Poisson(r), 10.0))
+    batched = np.asarray(jax.jit(jax.vmap(log_z_of))(jnp.asarray(rates)))
+    one = np.array([float(log_z_of(jnp.asarray(r))) for r in rates[[0, -1]]])
+    assert_allclose(batched[[0, -1]], one, rtol=2e-6)
+    k = np.arange(4000)
+    ref = [brute_log_sum(stats.poisson.logpmf(k, r), 10.0) for r in rates[[0, -1]]]
+    assert_allclose(batched[[0, -1]], ref, rtol=2e-6)
+    grad = jax.jit(jax.vmap(jax.grad(log_z_of)))(jnp.asarray(rates))
+    assert_allclose(np.asarray(grad)[[0, -1]],
+                    [float(jax.grad(log_z_of)(jnp.asarray(r))) for r in rates[[0, -1]]],
+                    rtol=2e-5)
+    terms = []
+
+    def counted_term(k, params):  # the terms one evaluation computes, across the batch
+        lt = partition._poisson_term(k, params)
+        jax.debug.callback(lambda t: terms.append(np.size(t)), lt)
+        return lt
+
+    params = (jnp.asarray(rates), jnp.full(200, 10.0, jnp.float32))
+    jax.vmap(lambda *p: partition._series_loop(counted_term, partition._poisson_tail, p,
+                                               False)[0])(*params)
+    jax.effects_barrier()
+    # a first chunk of 16 terms and one of 128 for all 200 calls, then a few passes of
+    # 128 terms for 200 / 8 calls (one of them real): 41,600 terms, against 131,200 in
+    # lock step
+    assert sum(terms) <= 200 * (16 + 128) + 5 * 25 * 128, sum(terms)
+
+
 @pytest.mark.parametrize("T", [0.5, 1.0, 3.0])
 def test_multinomial_per_trial_and_exact_vs_enumeration(T):
     probs = np.array([0.2, 0.3, 0.5])
