@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -218,11 +219,24 @@ def test_mvi_cools_to_one_on_data_from_the_model():
     """Issue 19: on a corpus drawn from LDA at T = 1, the learnt E[T] falls to within 0.1 of
     1 by the end (the paper's ladder and defaults, exact conditional normaliser)."""
     corpus, _ = corpora.synthetic(0, 400, 60, 3, 40, alpha=0.3, eta=0.3)
-    fit = lda_svi.fit(corpus, 3, passes=3, batch_size=50, temperature=lda_svi.Multicanonical
-                      .paper(), tau=10.0, seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fit that ends cool says nothing
+        fit = lda_svi.fit(corpus, 3, passes=3, batch_size=50,
+                          temperature=lda_svi.Multicanonical.paper(), tau=10.0, seed=0)
     assert fit.temperatures[0] > 1.5  # it starts hot (random topics explain nothing) ...
     assert abs(fit.temperatures[-1] - 1.0) < 0.1  # ... and cools to 1
     assert np.all(np.isfinite(fit.lam)) and fit.log_c_seconds > 0
+
+
+def test_an_mvi_fit_on_short_documents_ends_hot_and_says_so():
+    """docs/lda.md, "Short documents stay hot, exactly": the same corpus cut to 4 words a
+    document stays hot (the exact posterior's E[T] is 2.9 at the true topics), and fit
+    warns that its topics were learnt tempered, naming the documents' length."""
+    corpus, _ = corpora.synthetic(0, 400, 4, 3, 40, alpha=0.3, eta=0.3)
+    with pytest.warns(UserWarning, match=r"ended hot.*median length is 4 words"):
+        fit = lda_svi.fit(corpus, 3, passes=3, batch_size=50,
+                          temperature=lda_svi.Multicanonical.paper(), tau=10.0, seed=0)
+    assert fit.temperatures[-1] > lda_svi.HOT_END
 
 
 BRACKET_TEMPS = np.array([1.0, 1.7, 3.0, 10.0])

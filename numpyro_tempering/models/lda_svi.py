@@ -1312,10 +1312,41 @@ def fit(
     if not np.all(np.isfinite(lam)):
         lam = np.full_like(lam, np.nan)  # numerical trouble is NaN, never a finite guess
     total = float(sum(docs.size for docs in batches))
+    if isinstance(temperature, Multicanonical):
+        _warn_if_hot(temps, corpus)
     return FitResult(lam, state, temps, rho, seconds, compile_seconds, num_steps,
                      total / seconds if seconds > 0 else float("inf"), log_c_seconds,
                      normaliser.rungs if normaliser is not None else 0,
                      np.asarray(jnp.stack([i.iterations for i in infos])))
+
+
+#: MVI's last update with a mean E[T] above this ends :func:`fit` with a warning
+HOT_END = 1.5
+
+
+def _warn_if_hot(temperatures: np.ndarray, corpus: Corpus) -> None:
+    """Warn when an MVI fit ends hot: its topics were then learnt from statistics divided
+    by E[T] (docs/lda.md, "Short documents stay hot, exactly"). Documents of a few words
+    stay near the ladder's prior even under the topics that generated them (exactly, by
+    enumeration: E[T] 2.9 for 4-word documents on the paper's ladder); otherwise the fit
+    has not yet explained its documents."""
+    last = float(temperatures[-1]) if temperatures.size else float("nan")
+    if not last > HOT_END:
+        return
+    import warnings
+
+    lengths = np.asarray(corpus.counts).sum(axis=1)
+    median = float(np.median(lengths[lengths > 0]))
+    warnings.warn(
+        f"lda_svi.fit: multicanonical VI ended hot: the last update's mean E[T] is "
+        f"{last:.2f} (> {HOT_END}), so the topics were fitted from word counts divided by "
+        f"about that much. The documents' median length is {median:.0f} words: a document "
+        "of a few words carries a few nats of evidence about its temperature and the "
+        "multicanonical model keeps it near the ladder's prior even under topics that fit "
+        "it (docs/lda.md, 'Short documents stay hot, exactly'); for long documents, more "
+        "passes let the topics explain them. For short texts prefer plain SVI "
+        "(temperature=1.0) or an annealing schedule.",
+        UserWarning, stacklevel=3)
 
 
 @partial(jax.jit, donate_argnums=0)
