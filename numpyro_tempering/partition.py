@@ -847,26 +847,28 @@ def _series_loop(
     within 144 terms, a few near rate / T = 30 at T = 10 take 656; 3.0x the needed terms,
     and lgamma(k + 1) computed once per call and chunk, 95% of the log C run).
     """
-    fn = _series_members(term_fn, tail_fn, term_grad_fn if with_grad else None, with_grad)
+    fn = _series_members(term_fn, tail_fn, term_grad_fn if with_grad else None)
     log_z, grads = fn(tuple(p[None] for p in params))  # one call: one member
     return log_z[0], tuple(g[0] for g in grads)
 
 
 @functools.cache
-def _series_members(term_fn: Callable, tail_fn: Callable, term_grad_fn: Callable | None,
-                    with_grad: bool) -> Callable:
+def _series_members(term_fn: Callable, tail_fn: Callable,
+                    term_grad_fn: Callable | None) -> Callable:
     """:func:`_series_loop` over ``params`` of shape ``(M, *E)``: M independent calls
     ("members"), and under ``vmap`` (``custom_vmap``) the vmapped axes flattened into
-    more members, so that a batch of any depth is one queue of members."""
+    more members, so that a batch of any depth is one queue of members. With
+    ``term_grad_fn`` (``None``: values only) also the expectations of the terms' partial
+    derivatives."""
 
     @custom_vmap
     def members(params: tuple[Array, ...]) -> tuple[Array, tuple[Array, ...]]:
-        return _series_members_loop(term_fn, tail_fn, term_grad_fn, with_grad, params)
+        return _series_members_loop(term_fn, tail_fn, term_grad_fn, params)
 
     @members.def_vmap
     def rule(axis_size: int, in_batched: list, params: tuple[Array, ...]) -> tuple:
         if not any(in_batched[0]):  # only tangents batched (forward mode): no new members
-            out = _series_members_loop(term_fn, tail_fn, term_grad_fn, with_grad, params)
+            out = _series_members_loop(term_fn, tail_fn, term_grad_fn, params)
             return out, jax.tree.map(lambda _: False, out)
         params = tuple(p if b else jnp.broadcast_to(p, (axis_size, *p.shape))
                        for p, b in zip(params, in_batched[0], strict=True))
@@ -882,7 +884,6 @@ def _series_members_loop(
     term_fn: Callable[[Array, tuple[Array, ...]], Array],
     tail_fn: Callable[[Array, tuple[Array, ...]], Array],
     term_grad_fn: Callable[[Array, tuple[Array, ...], Array], tuple[Array, ...]] | None,
-    with_grad: bool,
     params: tuple[Array, ...],
 ) -> tuple[Array, tuple[Array, ...]]:
     """:func:`_series_members`: a first chunk for every member, then chunks of
@@ -893,7 +894,7 @@ def _series_members_loop(
     shape = params[0].shape  # (M, *E)
     num = shape[0]
     dtype = params[0].dtype
-    n_grad = len(params) if with_grad else 0
+    n_grad = 0 if term_grad_fn is None else len(params)
     log_eps = math.log(float(jnp.finfo(dtype).eps))
     per_member = tuple(range(1, len(shape)))
     zeros = jnp.zeros(shape, dtype)
@@ -912,7 +913,7 @@ def _series_members_loop(
         rescale = jnp.exp(m - ref)
         s = s * rescale + jnp.sum(w, axis=0)
         new_grad = []
-        dlts = term_grad_fn(k, prm, lt) if with_grad else ()
+        dlts = () if term_grad_fn is None else term_grad_fn(k, prm, lt)
         for i in range(n_grad):
             acc = jnp.sum(jnp.where(w > 0, w * dlts[i], 0.0), axis=0)
             new_grad.append(s_grad[i] * rescale + acc)

@@ -509,21 +509,19 @@ def _draws(
 
 def _locals_matter(
     rng_key: jax.Array,
-    marked: Callable,
+    model: Callable,
+    selection: Selection,
     temperatures: jax.Array,
     args: tuple,
     kwargs: dict,
     plate: str | None,
     fallback: Fallback,
-    model: Callable | None = None,
-    selection: Selection | None = None,
 ) -> bool:
     """Whether two independent inner draws (same globals) give different contributions.
     Entries that are NaN, or the same infinity in both draws, say nothing and are skipped:
     one temperature where the normalisers diverge (+inf in both) made the whole spread NaN,
     "no", and the locals were then held fixed at every temperature of the call (a finite
-    rung 0.84 nats off, unflagged). With ``model`` and ``selection`` (``marked`` being
-    ``_marked(model, selection)``) compiled once per model, selection and argument
+    rung 0.84 nats off, unflagged). Compiled once per model, selection and argument
     structure (:func:`_cached_jit`), not at every call (1.2-1.5 s a call on 2 cores)."""
 
     def make(marked: Callable, args: tuple, kwargs: dict) -> Callable:
@@ -545,11 +543,8 @@ def _locals_matter(
 
         return spread
 
-    if model is None:
-        spread = jax.jit(make(marked, args, kwargs))
-    else:
-        spread = _cached_jit("locals_matter", model, selection, args, kwargs,
-                             (plate, fallback), make)
+    spread = _cached_jit("locals_matter", model, selection, args, kwargs, (plate, fallback),
+                         make)
     return bool(spread(rng_key, temperatures) > math.sqrt(np.finfo(temperatures.dtype).eps))
 
 
@@ -1642,8 +1637,8 @@ def log_partition(
         if not locals_known:
             locals_known.append(
                 bool(structure.local_latents)
-                and _locals_matter(key_probe, marked, temps, args, kwargs, plate, fallback,
-                                   model=model, selection=selection)
+                and _locals_matter(key_probe, model, selection, temps, args, kwargs, plate,
+                                   fallback)
             )
         return locals_known[0]
 

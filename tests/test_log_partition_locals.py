@@ -518,7 +518,6 @@ def test_a_divergent_temperature_does_not_hide_that_the_locals_matter():
     an infinite one as a difference."""
     from numpyro_tempering.handlers import Selection
 
-    marked = pf._marked(student_t_local_df, Selection.of())
     for temps in ([0.8], [0.8, 2.0], [2.0, 0.8]):
-        assert pf._locals_matter(KEY, marked, jnp.asarray(temps),
-                                                 (jnp.zeros(20),), {}, "data", None), temps
+        assert pf._locals_matter(KEY, student_t_local_df, Selection.of(), jnp.asarray(temps),
+                                 (jnp.zeros(20),), {}, "data", None), temps

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -1333,9 +1334,7 @@ def _warn_if_hot(temperatures: np.ndarray, corpus: Corpus) -> None:
     last = float(temperatures[-1]) if temperatures.size else float("nan")
     if not last > HOT_END:
         return
-    import warnings
-
-    lengths = np.asarray(corpus.counts).sum(axis=1)
+    lengths = corpus.lengths
     median = float(np.median(lengths[lengths > 0]))
     warnings.warn(
         f"lda_svi.fit: multicanonical VI ended hot: the last update's mean E[T] is "
