@@ -121,20 +121,26 @@ def _concentrations(alpha, num_topics: int) -> np.ndarray:
 
 
 @jax.jit
-def _expected_topic_log_sums(lam, inv_t):
+def _expected_topic_log_sums(lam, h):
+    """(K,) at one inverse temperature ``h`` (a scalar)."""
     total = jnp.sum(lam, axis=1)  # (K,)
-
-    def one(h):
-        per_word = gammaln(lam + h) - gammaln(lam)  # log E[beta_kv^h] + log-Gamma(sum) part
-        return (jax.nn.logsumexp(per_word, axis=1)
-                - (gammaln(total + h) - gammaln(total)))
-
-    return jax.lax.map(one, inv_t)  # (M, K)
+    per_word = gammaln(lam + h) - gammaln(lam)  # log E[beta_kv^h] + log-Gamma(sum) part
+    return jax.nn.logsumexp(per_word, axis=1) - (gammaln(total + h) - gammaln(total))
 
 
 @jax.jit
-def _plugin_topic_log_sums(log_beta, inv_t):
-    return jax.nn.logsumexp(inv_t[:, None, None] * log_beta[None], axis=-1)
+def _plugin_topic_log_sums(log_beta, h):
+    """(K,) at one inverse temperature ``h`` (a scalar)."""
+    return jax.nn.logsumexp(h * log_beta, axis=-1)
+
+
+def _rung_by_rung(fn, x: jax.Array, inv_t: np.ndarray) -> np.ndarray:
+    """(M, ...) ``fn(x, h)`` for every ``h`` in ``inv_t``, one call per rung: one compiled
+    program serves any number of rungs (a refresh recomputes 1 to M of them; compiling for
+    each count cost more than the sums themselves), and the calls are dispatched before
+    any result is read."""
+    outs = [fn(x, jnp.asarray(h, x.dtype)) for h in inv_t]
+    return np.stack([np.asarray(o) for o in outs]) if outs else np.zeros((0, x.shape[0]))
 
 
 def topic_log_sums(topics: np.typing.ArrayLike, temperatures: np.typing.ArrayLike, *,
@@ -160,12 +166,12 @@ def topic_log_sums(topics: np.typing.ArrayLike, temperatures: np.typing.ArrayLik
         if expected:
             if not np.all(np.isfinite(x) & (x > 0)):
                 raise ValueError("`topics` (Dirichlet parameters lambda) must be finite and > 0.")
-            out = _expected_topic_log_sums(jnp.asarray(x), jnp.asarray(inv_t))
+            out = _rung_by_rung(_expected_topic_log_sums, jnp.asarray(x), inv_t)
         else:
             if np.any(x < 0) or not np.allclose(x.sum(axis=1), 1.0, atol=1e-6):
                 raise ValueError("`topics` (beta) must have rows on the simplex.")
             with np.errstate(divide="ignore"):
-                out = _plugin_topic_log_sums(jnp.asarray(np.log(x)), jnp.asarray(inv_t))
+                out = _rung_by_rung(_plugin_topic_log_sums, jnp.asarray(np.log(x)), inv_t)
         return np.asarray(out)
 
 
@@ -263,33 +269,29 @@ def _dirichlet_factor(inv_t: np.ndarray, alpha: np.ndarray, size: int) -> np.nda
 
 
 def _exact_coefficients(log_f: np.ndarray) -> np.ndarray:
-    """:func:`_log_coefficients` of a float64 NumPy ``log_f``, computed in float64 (the
-    rungs padded to a power of 2, so that subsets of a ladder share compilations)."""
-    m = log_f.shape[0]
-    padded = np.concatenate([log_f, np.repeat(log_f[-1:], (1 << (m - 1).bit_length()) - m,
-                                              axis=0)]) if m else log_f
+    """:func:`_log_coefficients` of a float64 NumPy ``log_f`` (M, L+1, K), computed in
+    float64 one rung per call (one compilation per length, whatever the number of rungs)."""
     with jax.enable_x64(True):
-        return np.asarray(_log_coefficients(jnp.asarray(padded, jnp.float64)))[:m]
+        outs = [_log_coefficients(jnp.asarray(lf, jnp.float64)) for lf in log_f]
+        return (np.stack([np.asarray(o) for o in outs]) if outs
+                else np.zeros(log_f.shape[:2]))
 
 
 @jax.jit
 def _log_coefficients(log_f):
-    """(M, L+1) log of the coefficients of x^L in prod_k sum_n f_k(n) x^n, from log_f
-    (M, L+1, K): K convolutions in log space (log-sum-exp: exact whatever the range)."""
-    size = log_f.shape[1]
+    """(L+1,) log of the coefficients of x^L in prod_k sum_n f_k(n) x^n, from one rung's
+    log_f (L+1, K): K convolutions in log space (log-sum-exp: exact whatever the range)."""
+    size = log_f.shape[0]
     lag = jnp.arange(size)[:, None] - jnp.arange(size)[None, :]
     valid = lag >= 0
     lag = jnp.where(valid, lag, 0)
 
-    def one(lf_all):
-        def convolve(acc, lf):
-            terms = jnp.where(valid, acc[None, :] + lf[lag], -jnp.inf)
-            return jax.nn.logsumexp(terms, axis=1), None
+    def convolve(acc, lf):
+        terms = jnp.where(valid, acc[None, :] + lf[lag], -jnp.inf)
+        return jax.nn.logsumexp(terms, axis=1), None
 
-        acc, _ = jax.lax.scan(convolve, lf_all[:, 0], lf_all[:, 1:].T)
-        return acc
-
-    return jax.lax.map(one, log_f)
+    acc, _ = jax.lax.scan(convolve, log_f[:, 0], log_f[:, 1:].T)
+    return acc
 
 
 #: values below this (relative to a sequence's maximum) are set to 0 in the linear passes:
