@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import Array
 from jax.scipy.special import gammaln
 
-__all__ = ["binomial_log_pmf", "log_beta"]
+__all__ = ["binomial_log_pmf", "log_beta", "tempered_log_gamma"]
 
 #: Stirling's series of log Gamma(x) - [(x - 1/2) log x - x + log(2 pi) / 2]: c_j / x^(2j - 1),
 #: error below 2e-14 for x >= 8 with these seven terms
@@ -71,6 +71,67 @@ def log_beta(a: Array, b: Array) -> Array:
                   + _stirling_correction(safe_p) + _stirling_correction(safe_q)
                   - _stirling_correction(both_s))
     return jnp.where(big_p, both_large, jnp.where(big_q, one_large, small))
+
+
+def _log_gamma_remainder(z: Array) -> Array:
+    """log Gamma(z) - [(z - 1/2) log z - z + log(2 pi) / 2] for z > 0: Stirling's series
+    from 8 on, the difference itself below (both terms under 9 in size there, so no
+    cancellation to speak of)."""
+    big = z >= _LOG_BETA_LARGE
+    zs = jnp.where(big | (z <= 0), 1.0, z)
+    direct = gammaln(zs) - ((zs - 0.5) * jnp.log(zs) - zs + 0.5 * math.log(2.0 * math.pi))
+    return jnp.where(big, _stirling_correction(z), direct)
+
+
+def tempered_log_gamma(x: Array, d: Array, a: Array) -> Array:
+    r""":math:`\log\Gamma(y) - a\log\Gamma(x) - y\log a` with :math:`y = a x + d > 0`, the
+    log-gamma part of a tempered normaliser, accurate to a few ulps of its own size (a few
+    nats) in float32 and float64 whatever the size of ``x``.
+
+    Raising a Gamma, Beta, Dirichlet, inverse gamma or Student-t density to the power
+    :math:`a = 1/T` gives a law of the same family whose shape is :math:`y = a x + d`
+    (:math:`d = 1 - a` for a Gamma's shape, :math:`a - 1` for an inverse gamma's, ...),
+    and its normaliser holds :math:`\log\Gamma(y) - a\log\Gamma(x)`: two terms of size
+    :math:`x\log x` whose difference is of size :math:`\log x`. In float32 the plain
+    difference loses about :math:`2^{-24}\,x\log x` nats (1e-4 at x = 1000), which a model
+    with N observations sharing that shape multiplies by N -- jitter in the globals of
+    several nats at N = 10,000 (found by a probe of log C). With Stirling's series
+    :math:`\log\Gamma(z) = (z - \tfrac12)\log z - z + \tfrac12\log 2\pi + \delta(z)` the
+    large terms cancel analytically: for :math:`x \ge 8`,
+
+    .. math::
+
+        (d + \tfrac{a - 1}{2})\log x - \tfrac12\log a + (y - \tfrac12)\log\big(1 +
+        \tfrac{d}{a x}\big) - d + \tfrac{1 - a}{2}\log 2\pi + \delta(y) - a\,\delta(x),
+
+    every term of the size of the result (the :math:`-y\log a` of the definition cancels
+    the :math:`y\log a` of :math:`\log\Gamma(y)`, so that a sum of these over the factors
+    of a Beta or Dirichlet function has no large terms left either). Below 8 the
+    log-gammas directly. ``d`` is given, not ``y``: :math:`y - a x` would cancel again.
+
+    Example:
+        >>> from scipy.special import gammaln as gl
+        >>> x, a = 3_000.0, 1.0 / 3.0
+        >>> y = a * x + (1 - a)  # a Gamma(3000) density raised to 1/3
+        >>> exact = gl(y) - a * gl(x) - y * math.log(a)  # float64
+        >>> got = tempered_log_gamma(jnp.float32(x), jnp.float32(1 - a), jnp.float32(a))
+        >>> bool(abs(float(got) - exact) < 1e-5), bool(abs(exact) < 10)
+        (True, True)
+    """
+    big = x >= _LOG_BETA_LARGE
+    xs = jnp.where(big, x, _LOG_BETA_LARGE)
+    y = a * xs + d
+    ok = y > 0
+    ys = jnp.where(ok, y, 1.0)
+    large = (jnp.log(xs) * (d + 0.5 * (a - 1.0)) - 0.5 * jnp.log(a)
+             + (ys - 0.5) * jnp.log1p(jnp.where(ok, d / (a * xs), 0.0)) - d
+             + 0.5 * math.log(2.0 * math.pi) * (1.0 - a)
+             + _log_gamma_remainder(ys) - a * _stirling_correction(xs))
+    xm = jnp.where(big | (x <= 0), 1.0, x)
+    ym = a * xm + d
+    ym = jnp.where(ym > 0, ym, 1.0)
+    small = gammaln(ym) - a * gammaln(xm) - ym * jnp.log(a)
+    return jnp.where(big, large, small)
 
 
 def _stirlerr(n: Array) -> Array:

@@ -97,7 +97,7 @@ from numpyro_tempering.partition import (
     _wrap,
     register_tempered,
 )
-from numpyro_tempering.special import log_beta
+from numpyro_tempering.special import log_beta, tempered_log_gamma
 
 __all__: list[str] = []
 
@@ -121,10 +121,13 @@ def _tempered_shape(shape: Array, t: Array) -> tuple[Array, Array, Array]:
 def _student_core(df: Array, scale: Array, t: Array) -> tuple[Array, ...]:
     """log Z, nu', the tempered law's scale, and whether log Z is finite."""
     a, ok, safe = _tempered_shape(df, t)
-    m = 0.5 * (safe + 1.0)
-    log_c = gammaln(0.5 * (df + 1.0)) - gammaln(0.5 * df) - 0.5 * (jnp.log(df) + _LOG_PI)
-    log_z = (a * log_c + _one_minus_inv(t) * jnp.log(scale) + 0.5 * (jnp.log(df) + _LOG_PI)
-             + gammaln(m - 0.5) - gammaln(m))
+    # a log c(df) + lgamma(m - 1/2) - lgamma(m), m = a (df + 1) / 2, c the Student-t's
+    # constant: the log-gammas paired (x = df / 2 with m - 1/2 = a x + (a - 1) / 2, and
+    # x = (df + 1) / 2 with m = a x) so that no terms of size df log df are left
+    x = 0.5 * df
+    log_z = (tempered_log_gamma(x, 0.5 * (a - 1.0), a) - tempered_log_gamma(x + 0.5, 0.0, a)
+             - 0.5 * jnp.log(a)
+             + _one_minus_inv(t) * (0.5 * (jnp.log(df) + _LOG_PI) + jnp.log(scale)))
     return jnp.where(ok, log_z, jnp.inf), safe, scale * jnp.sqrt(df / safe), ok
 
 
@@ -229,8 +232,9 @@ def _log_normal(d: npd.LogNormal, t: Array) -> TemperedResult:
 @jax.jit
 def _inverse_gamma_core(alpha: Array, beta: Array, t: Array) -> tuple[Array, ...]:
     a, ok, safe = _tempered_shape(alpha, t)
-    log_z = (a * (alpha * jnp.log(beta) - gammaln(alpha)) + gammaln(safe)
-             - safe * jnp.log(a * beta))
+    # a (alpha log beta - lgamma(alpha)) + lgamma(alpha') - alpha' log(a beta), with
+    # alpha' = a alpha + (a - 1): special.tempered_log_gamma cancels the large terms
+    log_z = tempered_log_gamma(alpha, a - 1.0, a) + _one_minus_inv(t) * jnp.log(beta)
     return jnp.where(ok, log_z, jnp.inf), safe, a * beta, ok
 
 
