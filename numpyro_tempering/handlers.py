@@ -88,7 +88,7 @@ the schedule constructors refuse them unless asked.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -520,12 +520,31 @@ def scan_unsupported_consumer() -> str | None:
     return "TraceEnum_ELBO" if running_in(get_importance_trace_enum) else "infer_discrete"
 
 
+def _fixes_latents(cond: Any, stack: list) -> bool:
+    """Whether the ``condition`` handler ``cond`` holds latent sites at given values rather
+    than supplying data: NumPyro's Gibbs-type kernels (``DiscreteHMCGibbs``, ``MixedHMC``,
+    ``HMCGibbs``; ``numpyro.infer.gibbs.conditioned``) run the model under
+    ``condition(data=values)`` and ``substitute(data=values)`` with one and the same dict,
+    to evaluate the density of the other sites given the Gibbs sites. Those sites are
+    latent: their prior is not the likelihood, and tempering it would sample another
+    posterior (the discrete latent's p(z | theta) raised to 1/T as well)."""
+    return any(isinstance(h, _handlers.substitute) and h.data is cond.data for h in stack)
+
+
 def _inside_autoguide() -> bool:
     """Whether the model runs inside an AutoGuide (building its prototype trace through
     ``initialize_model``, or evaluating the potential as AutoDAIS does), not under MCMC."""
     from numpyro.infer.autoguide import AutoGuide
 
     return running_in_method_of(AutoGuide)
+
+
+def _in_laplace_transform() -> bool:
+    """Whether the model runs inside ``AutoLaplaceApproximation.get_transform`` (its
+    Hessian, for ``get_posterior``, ``sample_posterior``, ``median`` and ``quantiles``)."""
+    from numpyro.infer.autoguide import AutoLaplaceApproximation
+
+    return running_in_method_of(AutoLaplaceApproximation, "get_transform")
 
 
 def under_mcmc() -> bool:
@@ -675,24 +694,35 @@ class temper(Messenger):
                 return _PYRO_STACK[:i]
         return []
 
+    def _seen_outside(self, msg: dict, kind: type) -> Iterator[tuple[Any, dict]]:
+        """``(handler, message as it sees it)`` for the handlers of type ``kind`` outside this
+        one, innermost first: a ``scope`` between them renames the site (``a/y``) before
+        they see it, so each is asked with the name it will see (a copy of ``msg``)."""
+        seen = msg
+        for handler in reversed(self._outer_handlers()):
+            if isinstance(handler, _handlers.scope):
+                seen = dict(seen)
+                handler.process_message(seen)
+            elif isinstance(handler, kind):
+                yield handler, seen
+
     def _conditioned_outside(self, msg: dict) -> bool:
-        for handler in self._outer_handlers():
-            if not isinstance(handler, _handlers.condition):
-                continue
+        stack = self._outer_handlers()
+        for handler, seen in self._seen_outside(msg, _handlers.condition):
             if handler.data is not None:  # a None value leaves the site latent (NumPyro)
-                if handler.data.get(msg["name"]) is not None:
+                if seen["name"] in handler.data and _fixes_latents(handler, stack):
+                    continue
+                if handler.data.get(seen["name"]) is not None:
                     return True
                 continue
-            if handler.condition_fn is not None and handler.condition_fn(msg) is not None:
+            if handler.condition_fn is not None and handler.condition_fn(seen) is not None:
                 return True
         return False
 
     def _check_not_reparameterised_outside(self, msg: dict) -> None:
-        for handler in self._outer_handlers():
-            if not isinstance(handler, _handlers.reparam):
-                continue
+        for handler, seen in self._seen_outside(msg, _handlers.reparam):
             config = handler.config
-            found = config.get(msg["name"]) if isinstance(config, dict) else config(msg)
+            found = config.get(seen["name"]) if isinstance(config, dict) else config(seen)
             if found is not None:
                 raise ValueError(
                     f"temper: latent site '{msg['name']}' is tempered inside a `reparam` "
@@ -726,6 +756,16 @@ class temper(Messenger):
             state = mutable(self.clock, fresh)
             if state is None:  # no handler records mutable state: evaluate at step 0
                 state = fresh
+            if state is fresh and resolved is None and _in_laplace_transform():
+                raise ValueError(
+                    f"temper: AutoLaplaceApproximation takes its Hessian of the annealed "
+                    f"model at the parameters given to get_posterior / get_transform / "
+                    f"sample_posterior / median / quantiles, which hold no schedule clock "
+                    f"('{self.clock}'), so the Hessian would be that of schedule(0). Pass "
+                    f"the SVI state's clock with the parameters: "
+                    f"{{**svi.get_params(state), **state.mutable_state}} (or "
+                    f"{{**result.params, **result.state.mutable_state}} after svi.run)."
+                )
             if resolved is None:
                 temperature, advanced = self._at(state["step"]), state["step"] + 1
             else:

@@ -124,13 +124,15 @@ def running_in(*functions: Any) -> bool:
     return False
 
 
-def running_in_method_of(cls: type) -> bool:
-    """Whether a method of an instance of ``cls`` is on the call stack (e.g. an AutoGuide
-    building itself, or running the model's potential inside the guide)."""
+def running_in_method_of(cls: type, name: str | None = None) -> bool:
+    """Whether a method of an instance of ``cls`` (the one called ``name``, if given) is on
+    the call stack (e.g. an AutoGuide building itself, or running the model's potential
+    inside the guide)."""
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if code.co_argcount and code.co_varnames[0] == "self":
+        if code.co_argcount and code.co_varnames[0] == "self" and (
+                name is None or code.co_name == name):
             if isinstance(frame.f_locals.get("self"), cls):
                 return True
         frame = frame.f_back
