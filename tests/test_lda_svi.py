@@ -538,3 +538,73 @@ def test_a_hand_built_corpus_with_zero_counts_between_words_loses_none():
     empty = held._replace(counts=np.zeros_like(held.counts))
     with pytest.raises(ValueError, match="holds no words"):
         lda_svi.heldout_log_likelihood(a, observed, empty)
+
+
+def test_empty_documents_leave_the_reported_temperature_alone(tiny):
+    """An empty document's q(y_d) is the ladder's prior (E[T] 7/3 here) and moves nothing:
+    StepInfo.temperature and hot_share are means over the documents with words (400 empty
+    documents beside 400 of 60-200 words raised a fit's last E[T] from 1.01 to 2.53, and
+    fit warned that the topics were fitted hot; found by a probe)."""
+    corpus, _ = tiny
+    temps = np.array([1.0, 2.0, 4.0])
+    log_pi = np.log(np.full(3, 1 / 3))
+    cnts = np.asarray(corpus.counts[:6], float)
+    cnts[[1, 4]] = 0.0  # two empty documents
+    log_c = np.outer(cnts.sum(1), [0.0, 0.3, 0.5])
+    mvi = (1.0 / temps, log_pi, 1.0 / temps, log_c)
+    cfg = lda_svi.config(K, V, 100)
+    state = lda_svi.init_state(0, K, V)
+    ids = jnp.asarray(corpus.ids[:6])
+    out = _local(cfg, state.lam, ids, jnp.asarray(cnts), jnp.ones((6, K)), mvi)
+    _, info = _update(cfg, state, ids, jnp.asarray(cnts), 6, mvi, jnp.ones((6, K)),
+                      jnp.arange(6))
+    expected_t = np.asarray(out.q_y) @ temps
+    worded = cnts.sum(1) > 0
+    assert np.allclose(expected_t[~worded], 7 / 3)  # the prior's mean
+    assert float(info.temperature) == pytest.approx(expected_t[worded].mean(), rel=1e-5)
+    # update's default row_doc (one row per document) failed under MVI before
+    _, default = _update(cfg, state, ids, jnp.asarray(cnts), 6, mvi, jnp.ones((6, K)))
+    assert float(default.temperature) == float(info.temperature)
+
+
+def test_another_seed_reuses_the_compiled_update():
+    """The minibatches' row buffer is rounded up to one of 4 sizes per octave: fits with
+    other seeds (other shuffles, whose fullest minibatch has a few rows more or fewer: 138
+    to 157 rows here) reuse the compiled update (each compiled its own: 3.7 s for SVI, 7-13
+    s for MVI on a probe's corpus). Documents of 10-80 words, rows of 8, minibatches of
+    32."""
+    corpus, _ = corpora.synthetic(3, 200, 80, K, 200, alpha=0.3, eta=0.3)
+    keep = np.random.default_rng(0).integers(10, 81, corpus.num_docs)
+    counts = np.asarray(corpus.counts).copy()
+    for d, n in enumerate(keep):  # trim each document to n words
+        c = np.cumsum(counts[d])
+        counts[d] = np.where(c <= n, counts[d], np.maximum(n - (c - counts[d]), 0))
+    varied = corpus._replace(counts=counts)
+    options = {**SK, "batch_size": 32}
+    fits = [lda_svi.fit(varied, K, passes=1, seed=s, row_width=8, **options) for s in range(4)]
+    assert all(f.compile_seconds == 0.0 for f in fits[1:])
+
+
+def test_a_schedule_that_has_not_reached_one_when_the_fit_ends_warns(split):
+    """fit checked a schedule at steps up to 2^30, not at the steps it runs: a schedule that
+    reaches T = 1 only after the fit's last update ended the fit tempered, silently (T =
+    3.87 after 20 updates; found by a probe)."""
+    train = split[0]
+    with pytest.warns(UserWarning, match=r"ends at T = 3\.\d+ \(step 9\)"):
+        lda_svi.fit(train, K, passes=0.5, temperature=schedules.linear(4.0, 1.0, 100), **SK)
+    with pytest.raises(ValueError, match="`dtype` must be a floating-point dtype"):
+        lda_svi.fit(train, K, passes=0.5, dtype="int32", **SK)
+
+
+def test_bad_counts_and_topics_are_named(tiny):
+    """Found by a probe: from_bow truncated 1.5 to 1 and dropped 0.7 without a word (from_dense
+    refuses them), and negative topics gave a held-out score of NaN instead of an error."""
+    with pytest.raises(ValueError, match="word counts must be integers, got 1.5"):
+        corpora.from_bow([[(0, 1.5)]], 3)
+    corpus, _ = tiny
+    lam = -np.ones((K, V))
+    with pytest.raises(ValueError, match="`topics` must be >= 0"):
+        lda_svi.heldout_log_likelihood(lam, corpus, corpus)
+    # a probe's text of word ids: tokenize keeps none of them, and the error says so
+    with pytest.raises(ValueError, match="no word that `tokenize` keeps"):
+        corpora.from_texts(["w12 w7 w300", "w1 w2"])

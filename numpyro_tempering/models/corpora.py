@@ -134,6 +134,8 @@ def from_bow(
     for doc in docs:
         merged: Counter = Counter()
         for word, count in doc:
+            if int(count) != count:
+                raise ValueError(f"word counts must be integers, got {count} for word {word}.")
             word, count = int(word), int(count)
             if not 0 <= word < vocab_size:
                 raise ValueError(f"word id {word} is outside [0, vocab_size={vocab_size}).")
@@ -348,6 +350,11 @@ def from_texts(
     keep.sort(key=lambda w: (-tf[w], w))
     if max_vocab is not None:
         keep = keep[: int(max_vocab)]
+    if not df:
+        raise ValueError(
+            f"the texts hold no word that `tokenize` keeps: words of at least "
+            f"min_length={min_length} letters (a-z and inner apostrophes; digits and other "
+            f"characters split words, so 'w12' has none), stop words removed.")
     if not keep:
         raise ValueError("no word survives the vocabulary filters (min_df, max_df, max_vocab).")
     return from_documents(docs, sorted(keep))

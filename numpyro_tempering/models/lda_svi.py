@@ -354,10 +354,12 @@ def _length_bin(length):
 
 class StepInfo(NamedTuple):
     """Per-update record: the step size ``rho``; ``temperature``: T (AVI) or the mean over
-    the minibatch's documents of :math:`\\mathbb E_{q(y_d)}[T]` (MVI); ``iterations``: mean
-    local sweeps per document (MVI: summed over its anchor fits); ``hot_share``: the
-    minibatch mean of the :math:`q(y_d)` mass on rungs served by anchors other than
-    T = 1 (MVI; 0 when only the T = 1 anchor was fitted, or not MVI); ``log_rung_words``
+    the minibatch's documents with words of :math:`\\mathbb E_{q(y_d)}[T]` (MVI: an empty
+    document's :math:`q(y_d)` is the ladder's prior and moves nothing; NaN if the minibatch
+    has no words); ``iterations``: mean local sweeps per document (MVI: summed over its
+    anchor fits); ``hot_share``: the mean over the minibatch's documents with words of the
+    :math:`q(y_d)` mass on rungs served by anchors other than T = 1 (MVI; 0 when only the
+    T = 1 anchor was fitted, or not MVI); ``log_rung_words``
     (:data:`LENGTH_BINS`, M): :math:`\\log\\sum_d q(y_d = m) w_{dm} L_d` (the
     refresh rule's :math:`w_{dm}`, :class:`Multicanonical`) over the minibatch's
     documents of length :math:`2^b \\le L_d + 1 < 2^{b+1}` in row b (the last row also
@@ -795,11 +797,12 @@ class _Stats(NamedTuple):
     """A minibatch's (or one device's share of it) contribution to the global step."""
 
     sstats: jax.Array  # (K, V): sum_d n_dv phi_dvk / T_d
-    sum_t: jax.Array  # sum over real documents of E_q(y_d)[T] (MVI; 0 otherwise)
+    sum_t: jax.Array  # sum over real documents with words of E_q(y_d)[T] (MVI; 0 otherwise)
     sum_iters: jax.Array  # sum over real documents of their sweeps
     num_real: jax.Array  # number of real (not padding) documents
     log_rung_words: jax.Array  # (LENGTH_BINS, M): log sum of q(y_d = m) w_dm L_d by length bin
-    hot_mass: jax.Array  # sum over real documents of the q(y_d) mass the hot anchors serve
+    hot_mass: jax.Array  # sum over real documents with words of the hot anchors' q(y_d) mass
+    num_worded: jax.Array  # number of real documents with words (MVI; num_real otherwise)
 
 
 def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
@@ -811,25 +814,31 @@ def _statistics(cfg, lam, ids, counts, real, temperature, gamma0, row_doc
     if isinstance(temperature, tuple):
         local = _local_step(cfg, lam, ids, counts, gamma0, temperature, row_doc)
         expected_t = local.q_y @ (1.0 / jnp.asarray(temperature[0], dtype))
-        sum_t = jnp.sum(jnp.where(real, expected_t, 0))
-        length = jax.ops.segment_sum(jnp.sum(counts, axis=1), row_doc, gamma0.shape[0])
+        doc_of_row = jnp.arange(counts.shape[0]) if row_doc is None else row_doc
+        length = jax.ops.segment_sum(jnp.sum(counts, axis=1), doc_of_row, gamma0.shape[0])
+        # an empty document's q(y_d) is the ladder's prior and moves nothing: it is left out
+        # of the reported E[T] and of the hot anchors' share (which decides the probes)
+        worded = real & (length > 0)
+        sum_t = jnp.sum(jnp.where(worded, expected_t, 0))
         log_words = (jnp.where(real, jnp.log(length), -jnp.inf)[:, None] + local.log_q_y
                      + jnp.log(local.moves))
         log_rung_words = _segment_logsumexp(log_words, _length_bin(length), LENGTH_BINS)
-        hot_mass = jnp.sum(jnp.where(real, local.hot_mass, 0))
+        hot_mass = jnp.sum(jnp.where(worded, local.hot_mass, 0))
+        num_worded = jnp.sum(worded.astype(jnp.int32))
     else:
         t = jnp.asarray(temperature, dtype)
         local = _local_step(cfg, lam, ids, counts, gamma0, 1.0 / t, row_doc)
         sum_t = jnp.zeros((), dtype)
         log_rung_words = jnp.zeros((LENGTH_BINS, 0), dtype)
         hot_mass = jnp.zeros((), dtype)
+        num_worded = jnp.sum(real.astype(jnp.int32))
     k = cfg.num_topics
     sstats = jnp.zeros((k, cfg.vocab_size), dtype).at[:, jnp.ravel(ids)].add(
         jnp.moveaxis(local.sstats, 1, 0).reshape(k, -1)
     )
     sum_iters = jnp.sum(jnp.where(real, local.iterations, 0))
     return (_Stats(sstats, sum_t, sum_iters, jnp.sum(real.astype(jnp.int32)), log_rung_words,
-                   hot_mass),
+                   hot_mass, num_worded),
             local.gamma)
 
 
@@ -838,8 +847,9 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     lam = state.lam
     dtype = lam.dtype
     num_real = jnp.maximum(stats.num_real, 1).astype(dtype)
-    if isinstance(temperature, tuple):
-        mean_t = stats.sum_t / num_real
+    worded = stats.num_worded.astype(dtype)
+    if isinstance(temperature, tuple):  # NaN for a minibatch of empty documents only
+        mean_t = jnp.where(worded > 0, stats.sum_t / jnp.maximum(worded, 1), jnp.nan)
     else:
         mean_t = jnp.asarray(temperature, dtype)
     scale = jnp.asarray(cfg.num_docs, dtype) / jnp.asarray(batch_docs, dtype)
@@ -848,7 +858,8 @@ def _global_step(cfg, state, stats: _Stats, batch_docs, temperature):
     new_lam = (1 - rho) * lam + rho * lam_hat
     iters = stats.sum_iters.astype(dtype) / num_real
     return (OnlineLDAState(new_lam, state.step + 1),
-            StepInfo(rho, mean_t, iters, stats.log_rung_words, stats.hot_mass / num_real))
+            StepInfo(rho, mean_t, iters, stats.log_rung_words,
+                     stats.hot_mass / jnp.maximum(worded, 1)))
 
 
 # -- fitting -----------------------------------------------------------------------------------
@@ -985,6 +996,16 @@ def _sharded_step(cfg, mesh, state, all_ids, all_counts, all_log_c, batch, rows,
 _sharded_step_jit = jax.jit(_sharded_step, static_argnums=(0, 1), donate_argnums=2)
 _DATA_AXIS = "data"
 _COMPILED: dict = {}
+
+
+def _row_bucket(rows: int) -> int:
+    """The minibatches' row buffer for ``rows`` rows at most: rounded up to one of 4 sizes
+    per octave (at most a quarter of padding rows, which the staged local step drops after
+    its first stage), so that another seed's shuffle, whose fullest minibatch differs by a
+    few rows, reuses the compiled update instead of compiling its own (3.7-13 s)."""
+    rows = max(int(rows), 1)
+    step = 1 << max(rows.bit_length() - 3, 0)
+    return -(-rows // step) * step
 
 
 def _compiled_step(cfg, args, mesh=None) -> tuple[Callable, float]:
@@ -1148,6 +1169,9 @@ def fit(
         raise ValueError(f"`stage_shrink` must be an integer >= 2, got {stage_shrink!r}.")
     cfg = cfg._replace(stage_shrink=int(stage_shrink))
     dtype = jnp.result_type(float) if dtype is None else jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"`dtype` must be a floating-point dtype (float32 or float64), got "
+                         f"{dtype}.")
     mesh = as_mesh(mesh)
     schedule = _as_schedule(temperature)
     if schedule is None:
@@ -1155,14 +1179,17 @@ def fit(
             raise ValueError(f"`Multicanonical.topics` must be 'mean' or 'expected', got "
                              f"{temperature.topics!r}.")
         cfg = cfg._replace(mvi_topics=temperature.topics)
-    if schedule is not None and callable(temperature):
-        schedules.validate(temperature, name="temperature")
     rng = np.random.default_rng(seed)
     if state is None:
         state = init_state(rng, num_topics, corpus.vocab_size, dtype)
     elif state.lam.shape != (num_topics, corpus.vocab_size):
         raise ValueError(f"`state.lam` has shape {state.lam.shape}, expected "
                          f"{(num_topics, corpus.vocab_size)}.")
+    if schedule is not None and callable(temperature):
+        # at the steps this fit runs: a schedule that has not reached T = 1 by its last
+        # update warns (the topics are then those of the tempered model)
+        last_step = int(state.step) + int(math.ceil(passes * num_docs / batch_size))
+        schedules.validate(temperature, max(last_step, 1), name="temperature")
     if int(row_width) != row_width or row_width < 1:
         raise ValueError(f"`row_width` must be a positive integer, got {row_width!r}.")
     # the corpus on the device as rows, plus one empty row (index R) that pads minibatches
@@ -1219,7 +1246,7 @@ def fit(
                   .reshape(shards, per_shard) for docs in batches]
     rows = [[_batch_rows(chunk[chunk < num_docs], row_start, rows_per_doc) for chunk in sh]
             for sh in doc_shards]
-    max_rows = max(max(r.size for sh in rows for r, _ in sh), 1)
+    max_rows = _row_bucket(max(r.size for sh in rows for r, _ in sh))
 
     def padded(docs, sh, doc_rows):
         return (put(sh.reshape(-1), True),
@@ -1506,7 +1533,9 @@ def heldout_log_likelihood(
              {\sum_d \sum_v n^{\mathrm{held}}_{dv}}.
 
     ``alpha`` defaults to 1/K. With ``per_document=True`` returns the (D,) sums of held-out
-    log probabilities instead. Non-finite topics give NaN.
+    log probabilities instead. Non-finite topics give NaN, and so does a word that every
+    topic gives probability 0 (or one below the dtype's range) where it occurs; negative
+    topics are an error.
 
     Example:
         >>> from numpyro_tempering.models import corpora
@@ -1526,6 +1555,9 @@ def heldout_log_likelihood(
         raise ValueError("`observed` and `heldout` must hold the same documents and vocabulary.")
     if not bool(jnp.all(jnp.isfinite(lam))):
         return np.full(observed.num_docs, np.nan) if per_document else float("nan")
+    if bool(jnp.any(lam < 0)):
+        raise ValueError("`topics` must be >= 0 (Dirichlet parameters or word weights), got "
+                         f"a smallest entry of {float(jnp.min(lam))}.")
     k = lam.shape[0]
     cfg = config(k, observed.vocab_size, observed.num_docs, alpha=alpha,
                  max_doc_iter=max_doc_iter, tol=tol)
