@@ -435,6 +435,28 @@ def test_multinomial_exact_two_categories_is_binomial():
     assert_allclose(exact, binom, rtol=1e-11, atol=1e-12)
 
 
+def test_multinomial_exact_keeps_its_digits_in_float32_at_hundreds_of_trials():
+    """The exact rule subtracted log n! / T from a convolution of (j log p_k - log j!) / T:
+    terms of size n log n, 7.6e-5 nats lost per element in float32 at n = 1,000 (found
+    with the probe of large shapes). As a product of Poisson(x_k | n p_k) over
+    Poisson(n | n) every term is of size log n: within 3e-6 of the float64 sum over all
+    count vectors (K = 3) at n = 400 (8.5e-5 off before)."""
+    p = np.array([0.2, 0.3, 0.5])
+    n = 400
+    k1, k2 = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
+    k3 = n - k1 - k2
+    ok = k3 >= 0
+    k3 = np.where(ok, k3, 0)
+    log_pmf = (special.gammaln(n + 1.0) - special.gammaln(k1 + 1.0) - special.gammaln(k2 + 1.0)
+               - special.gammaln(k3 + 1.0) + k1 * np.log(p[0]) + k2 * np.log(p[1])
+               + k3 * np.log(p[2]))
+    for t in (1.5, 10.0):
+        want = special.logsumexp(np.where(ok, log_pmf / t, -np.inf))
+        d = npd.Multinomial(n, jnp.asarray(p, jnp.float32))
+        got = float(tempered_multinomial_exact(d, jnp.float32(t)).log_normalizer)
+        assert abs(got - want) < 3e-6, (t, got, want)
+
+
 def test_multinomial_tempered_law_and_coefficient():
     probs = jnp.array([0.2, 0.3, 0.5])
     T = 2.0
