@@ -510,6 +510,21 @@ def _latent_sites(model_trace: Mapping[str, dict]) -> dict[str, dict]:
     }
 
 
+def _check_params_given(params: dict, guide_tr: dict, model_tr: dict) -> None:
+    """Refuse ``params`` that give some parameters but miss a ``numpyro.param`` site of the
+    guide or the model: it would be evaluated at its initial value, silently (a probe passed
+    another guide's parameters and got an ELBO of -3.65 for -2.26, with no flag). An empty
+    ``params`` asks for the guide as written, at its parameters' initial values."""
+    sites = [n for tr in (guide_tr, model_tr) for n, s in tr.items() if s["type"] == "param"]
+    missing = sorted(set(sites) - set(params))
+    if missing and params:
+        raise ValueError(
+            f"`params` has no value for the parameter site(s) {missing} of the guide or the "
+            f"model (given: {sorted(params)}); they would be evaluated at their initial "
+            "values. Pass the fitted parameters, e.g. svi.get_params(state) or "
+            "svi_result.params (or {} for the guide as written).")
+
+
 def _model_trace(model: Callable, params: dict, args: tuple, kwargs: dict, key: jax.Array):
     seeded = handlers.seed(handlers.substitute(model, data=params), key)
     return handlers.trace(seeded).get_trace(*args, **kwargs)
@@ -876,6 +891,9 @@ def _pool_from_dict(samples: Mapping[str, Any], latents: Mapping[str, dict]) -> 
                 f"'{name}' has {value.shape[:2]}, others {chains}."
             )
         chains = value.shape[:2]
+        if value.shape[0] * value.shape[1] == 0:
+            raise ValueError(f"`posterior_samples['{name}']` holds no draws (shape "
+                             f"{value.shape}); KLpq needs posterior draws.")
         draws[name] = value.reshape((-1,) + value.shape[2:])
     return _Pool(draws, chains[0], None, [])
 
@@ -965,7 +983,9 @@ def _posterior_pool(
         )
     pool = _pool_from_dict(posterior_samples, latents)
     post = {n: v.reshape((pool.num_chains, -1) + v.shape[1:]) for n, v in pool.draws.items()}
-    return pool._replace(idata=az.from_dict(posterior=post))
+    idata = az.from_dict(posterior=post)
+    # (chain, draw) arrays get the r_hat check too (it was the InferenceData route's only)
+    return pool._replace(idata=idata, flags=_mcmc_flags(idata, list(latents)))
 
 
 def _klpq_replicates(
@@ -1038,7 +1058,10 @@ def _flags(report: EvidenceReport, nonfinite_kinds: dict) -> list[Flag]:
                     f"{_label(b, n)} at S = {_fmt(size)}: {total} of "
                     f"{_fmt(size * est[b].shape[1])} {what} gave a non-finite log-weight "
                     f"({detail}). NaN and +inf make the estimate NaN (they are never "
-                    "averaged away); -inf is a zero weight (q puts mass where p(x, z) = 0).",
+                    "averaged away); -inf is a zero weight: q puts mass where p(x, z) = 0, "
+                    "or the data lie outside the model's support (NumPyro's validation gives "
+                    "-inf for an observation that is NaN or out of support: check the data "
+                    "when every weight is -inf).",
                 )
             )
 
@@ -1320,6 +1343,7 @@ def evidence_bounds(
     model_tr = _model_trace(model, params, args, kwargs, k_setup)
     latents = _latent_sites(model_tr)
     guide_tr = _guide_trace(guide, params, args, kwargs, k_setup)
+    _check_params_given(params, guide_tr, model_tr)
     _check_guide_has_density(guide_tr)
     _refuse_point_mass(guide)
     plan = (

@@ -539,6 +539,13 @@ def _inside_autoguide() -> bool:
     return running_in_method_of(AutoGuide)
 
 
+def _in_svi_init() -> bool:
+    """Whether the model runs inside ``SVI.init`` (which takes no step)."""
+    from numpyro.infer import SVI
+
+    return running_in_method_of(SVI, "init")
+
+
 def _in_laplace_transform() -> bool:
     """Whether the model runs inside ``AutoLaplaceApproximation.get_transform`` (its
     Hessian, for ``get_posterior``, ``sample_posterior``, ``median`` and ``quantiles``)."""
@@ -770,10 +777,12 @@ class temper(Messenger):
                 temperature, advanced = self._at(state["step"]), state["step"] + 1
             else:
                 temperature, advanced = resolved["temperature"], resolved["step"]
-            if state is not fresh and not in_guide:
+            if state is not fresh and not in_guide and not _in_svi_init():
                 # SVI supplied the clock: advance it for the next update. (An AutoGuide that
                 # runs the model, to build itself or for its potential as AutoDAIS does,
-                # reads the clock and leaves it to the model's own run.)
+                # reads the clock and leaves it to the model's own run; so does SVI.init,
+                # which runs the model once to collect the state, with a saved clock when
+                # resuming through init_params: advancing it there skipped a step.)
                 state["step"] = advanced
                 state["temperature"] = temperature
         self._inv_temperature = inverse_temperature(temperature)

@@ -143,7 +143,7 @@ def linear(
     end = _check_temperature(end, "end", allow_below_one)
     num_steps = _check_steps(num_steps)
     sched = optax.linear_schedule(start, end, transition_steps=num_steps)
-    return _staircase(_snap(sched, end, num_steps), every)
+    return _snap(_staircase(sched, every), end, num_steps)  # end from num_steps on
 
 
 def geometric(
@@ -170,7 +170,7 @@ def geometric(
         decay_rate=end / start,
         end_value=end,
     )
-    return _staircase(_snap(sched, end, num_steps), every)
+    return _snap(_staircase(sched, every), end, num_steps)  # end from num_steps on
 
 
 def from_ladder(

@@ -432,6 +432,10 @@ def test_inference_data_summary_and_plot(good_fit):
     assert list(idata.bounds["bound"].values) == list(ALL)
     summary = az.summary(idata, group="bounds", kind="stats")
     assert len(summary) == len(ALL) * len(SIZES)
+    # the calls docs/diagnostics.md names (a probe found `group=` refused by az.ess and
+    # az.plot_forest in ArviZ 0.23: the docs now pass the group itself)
+    assert az.ess(idata.bounds)["log_evidence"].shape == (len(ALL), len(SIZES))
+    assert az.plot_forest(idata.bounds) is not None
     ess = az.ess(idata.log_weights)  # replicates as chains, particles as draws
     assert set(ess.data_vars) == {"q", "klpq"}
     assert idata.log_weights["q"].shape == (R, SIZES[-1])
@@ -506,6 +510,8 @@ def test_default_posterior_draws_by_nuts():
         ({"log_evidence": float("nan")}, "log_evidence"),
         ({"posterior_samples": {"nu": jnp.zeros(10)}}, r"latent sites \['mu'\]"),
         ({"posterior_samples": {"mu": jnp.zeros((2, 3, 4))}}, "expected"),
+        # found by a probe: empty draws failed inside numpy ("high <= 0")
+        ({"posterior_samples": {"mu": jnp.zeros((1, 0))}}, r"holds no draws"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, match):
@@ -513,6 +519,15 @@ def test_bad_arguments_are_named(kwargs, match):
     options.update(kwargs)
     with pytest.raises(ValueError, match=match):
         evidence_bounds(KEY, nn_model, nn_guide, nn_params(), X, **options)
+
+
+def test_params_that_miss_the_guides_parameters_are_refused():
+    """Found by a probe: params under other names (a typo, another guide's) left the guide at
+    its initial parameters, silently (an ELBO of -3.65 for -2.26, no flag)."""
+    wrong = {f"{k}_typo": v for k, v in nn_params().items()}
+    with pytest.raises(ValueError, match="`params` has no value for the parameter site"):
+        evidence_bounds(KEY, nn_model, nn_guide, wrong, X, num_samples=(100,),
+                        num_replicates=2, posterior_samples=NN_DRAWS)
 
 
 def test_posterior_samples_of_the_wrong_type():

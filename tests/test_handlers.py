@@ -341,3 +341,15 @@ def test_schedule_arguments_are_checked_with_the_argument_named():
         schedules.from_ladder([0.5, 1.0], 10)
     with pytest.raises(ValueError, match="`num_steps` must be a positive integer"):
         schedules.linear(10.0, 1.0, num_steps=True)
+
+
+@pytest.mark.parametrize("make", [schedules.linear, schedules.geometric])
+def test_a_staircase_schedule_ends_at_num_steps_even_when_every_does_not_divide_it(make):
+    """``linear(10, 1, 100, every=30)`` held T(90) = 1.9 until step 120: the staircase
+    floored step 100 to 90 after the snap to T = 1 (found by a probe). T reaches ``end``
+    at ``num_steps``, as documented, and holds every 30 steps before it."""
+    sched = make(10.0, 1.0, 100, every=30)
+    plain = make(10.0, 1.0, 100)
+    assert float(sched(100)) == 1.0 and float(sched(119)) == 1.0
+    assert float(sched(99)) == pytest.approx(float(plain(90)))
+    assert float(sched(59)) == pytest.approx(float(plain(30)))
