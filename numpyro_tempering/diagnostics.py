@@ -244,7 +244,7 @@ class EvidenceReport:
         self,
         log_evidence: float | None = None,
         ax: matplotlib.axes.Axes | None = None,
-        bounds: Sequence[str] | None = None,
+        bounds: str | Sequence[str] | None = None,
     ) -> matplotlib.axes.Axes:
         """The sandwich: each bound's replicate median and 5-95% interval against S (log
         axis), and a dashed line at the exact log evidence when known (``log_evidence``
@@ -253,14 +253,16 @@ class EvidenceReport:
         """
         import matplotlib.pyplot as plt
 
-        chosen = self.bounds if bounds is None else tuple(bounds)
+        chosen = (self.bounds if bounds is None
+                  else (bounds,) if isinstance(bounds, str) else tuple(bounds))
         unknown = [b for b in chosen if b not in self.estimates]
         if unknown:
             raise ValueError(f"`bounds` {unknown} not in this report's {self.bounds}.")
 
         if ax is None:
             _, ax = plt.subplots(figsize=(6.5, 4.0))
-        exact = self.log_evidence if log_evidence is None else float(log_evidence)
+        exact = self.log_evidence if log_evidence is None else _finite(log_evidence,
+                                                                       "log_evidence")
         colours = {
             "elbo": "tab:blue",
             "iwae": "tab:cyan",
@@ -508,6 +510,17 @@ def _latent_sites(model_trace: Mapping[str, dict]) -> dict[str, dict]:
         for name, site in model_trace.items()
         if site["type"] == "sample" and not site["is_observed"]
     }
+
+
+def _finite(value: Any, name: str) -> float:
+    """``float(value)``, or a ValueError naming ``name`` unless it is a finite number."""
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = float("nan")
+    if not np.isfinite(out):
+        raise ValueError(f"`{name}` must be a finite number, got {value!r}.")
+    return out
 
 
 def _check_params_given(params: dict, guide_tr: dict, model_tr: dict) -> None:
@@ -1332,8 +1345,8 @@ def evidence_bounds(
     if isinstance(cubo_order, bool) or not (1.0 < float(cubo_order) < math.inf):
         raise ValueError(f"`cubo_order` must be a finite number > 1, got {cubo_order!r}.")
     order = float(cubo_order)
-    if log_evidence is not None and not np.isfinite(float(log_evidence)):
-        raise ValueError(f"`log_evidence` must be a finite number, got {log_evidence!r}.")
+    if log_evidence is not None:
+        _finite(log_evidence, "log_evidence")
     if not isinstance(params, Mapping):
         raise TypeError(f"`params` must be a dict of parameters, got {type(params).__name__}.")
     params = dict(params)

@@ -190,6 +190,8 @@ def from_ladder(
     temps = np.asarray(temperatures, dtype=np.float64)
     if temps.ndim != 1 or temps.size == 0:
         raise ValueError("`temperatures` must be a non-empty 1-D sequence.")
+    if not np.all(np.isfinite(temps) & (temps > 0)):
+        raise ValueError(f"`temperatures` must be finite and > 0, got {temps.tolist()}.")
     if weights is None:
         weights = np.full(temps.shape, 1.0 / temps.size)
     weights = np.asarray(weights, dtype=np.float64)

@@ -454,6 +454,8 @@ def test_inference_data_summary_and_plot(good_fit):
     assert len(ax.get_legend().get_texts()) == len(ALL) + 1
     ax = good_fit.plot(bounds=("iwae", "klpq"), log_evidence=0.0)
     assert len(ax.get_legend().get_texts()) == 3
+    # one bound as a string, as evidence_bounds takes it (it was split into characters)
+    assert len(good_fit.plot(bounds="iwae").get_legend().get_texts()) == 2
     with pytest.raises(ValueError, match="cubo_prior"):
         good_fit.plot(bounds=("cubo_prior",))
 
@@ -508,6 +510,7 @@ def test_default_posterior_draws_by_nuts():
         ({"cubo_order": 1.0}, "cubo_order"),
         ({"chunk_size": 0}, "chunk_size"),
         ({"log_evidence": float("nan")}, "log_evidence"),
+        ({"log_evidence": "a"}, "`log_evidence` must be a finite number"),
         ({"posterior_samples": {"nu": jnp.zeros(10)}}, r"latent sites \['mu'\]"),
         ({"posterior_samples": {"mu": jnp.zeros((2, 3, 4))}}, "expected"),
         # found by a probe: empty draws failed inside numpy ("high <= 0")

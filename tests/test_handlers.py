@@ -353,3 +353,9 @@ def test_a_staircase_schedule_ends_at_num_steps_even_when_every_does_not_divide_
     assert float(sched(100)) == 1.0 and float(sched(119)) == 1.0
     assert float(sched(99)) == pytest.approx(float(plain(90)))
     assert float(sched(59)) == pytest.approx(float(plain(30)))
+
+
+def test_a_ladder_schedule_refuses_temperatures_that_are_not_positive():
+    """from_ladder([-5, 10], ...) was accepted (its mean is 2.5): found by a probe."""
+    with pytest.raises(ValueError, match="`temperatures` must be finite and > 0"):
+        schedules.from_ladder([-5.0, 10.0], 100)
