@@ -701,12 +701,14 @@ class temper(Messenger):
                 return _PYRO_STACK[:i]
         return []
 
-    def _seen_outside(self, msg: dict, kind: type) -> Iterator[tuple[Any, dict]]:
-        """``(handler, message as it sees it)`` for the handlers of type ``kind`` outside this
-        one, innermost first: a ``scope`` between them renames the site (``a/y``) before
-        they see it, so each is asked with the name it will see (a copy of ``msg``)."""
+    def _seen_outside(self, msg: dict, kind: type, stack: list
+                      ) -> Iterator[tuple[Any, dict]]:
+        """``(handler, message as it sees it)`` for the handlers of type ``kind`` in
+        ``stack`` (those outside this one), innermost first: a ``scope`` between them renames
+        the site (``a/y``) before they see it, so each is asked with the name it will see (a
+        copy of ``msg``)."""
         seen = msg
-        for handler in reversed(self._outer_handlers()):
+        for handler in reversed(stack):
             if isinstance(handler, _handlers.scope):
                 seen = dict(seen)
                 handler.process_message(seen)
@@ -715,7 +717,7 @@ class temper(Messenger):
 
     def _conditioned_outside(self, msg: dict) -> bool:
         stack = self._outer_handlers()
-        for handler, seen in self._seen_outside(msg, _handlers.condition):
+        for handler, seen in self._seen_outside(msg, _handlers.condition, stack):
             if handler.data is not None:  # a None value leaves the site latent (NumPyro)
                 if seen["name"] in handler.data and _fixes_latents(handler, stack):
                     continue
@@ -727,7 +729,8 @@ class temper(Messenger):
         return False
 
     def _check_not_reparameterised_outside(self, msg: dict) -> None:
-        for handler, seen in self._seen_outside(msg, _handlers.reparam):
+        for handler, seen in self._seen_outside(msg, _handlers.reparam,
+                                                self._outer_handlers()):
             config = handler.config
             found = config.get(seen["name"]) if isinstance(config, dict) else config(seen)
             if found is not None:

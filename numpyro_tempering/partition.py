@@ -626,8 +626,9 @@ def _exponential(d: npd.Exponential, t: Array) -> TemperedResult:
 
 def _tempered_log_beta(alpha: Array, t: Array) -> Array:
     """log B(alpha_t) - log B(alpha) / T over the last axis (the multivariate Beta function,
-    alpha_t = 1 + (alpha - 1) / T), from :func:`~numpyro_tempering.special.tempered_log_gamma`
-    per factor: no terms of size alpha log alpha to cancel in float32."""
+    alpha_t = 1 + (alpha - 1) / T; ``t`` broadcasts against alpha's batch shape), from
+    :func:`~numpyro_tempering.special.tempered_log_gamma` per factor: no terms of size
+    alpha log alpha to cancel in float32."""
     a = 1.0 / t
     d = _one_minus_inv(t)
     k = alpha.shape[-1]
@@ -641,8 +642,7 @@ def _beta_core(a: Array, b: Array, t: Array) -> tuple[Array, ...]:
     a_t = 1.0 + (a - 1.0) / t
     b_t = 1.0 + (b - 1.0) / t
     ok = (a_t > 0) & (b_t > 0)
-    a, b, t = jnp.broadcast_arrays(a, b, t)
-    log_z = _tempered_log_beta(jnp.stack([a, b], axis=-1), t)
+    log_z = _tempered_log_beta(jnp.stack(jnp.broadcast_arrays(a, b), axis=-1), t)
     return jnp.where(ok, log_z, jnp.inf), a_t, b_t, ok
 
 
@@ -657,9 +657,7 @@ def _beta(d: npd.Beta, t: Array) -> TemperedResult:
 def _dirichlet_core(alpha: Array, t: Array) -> tuple[Array, ...]:
     alpha_t = 1.0 + (alpha - 1.0) / _expand_t(t, 1)
     ok = jnp.all(alpha_t > 0, axis=-1)
-    shape = jnp.broadcast_shapes(alpha.shape[:-1], jnp.shape(t))
-    log_z = _tempered_log_beta(jnp.broadcast_to(alpha, shape + alpha.shape[-1:]),
-                               jnp.broadcast_to(t, shape))
+    log_z = _tempered_log_beta(alpha, t)
     return jnp.where(ok, log_z, jnp.inf), alpha_t, ok
 
 

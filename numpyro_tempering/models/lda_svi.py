@@ -1185,11 +1185,6 @@ def fit(
     elif state.lam.shape != (num_topics, corpus.vocab_size):
         raise ValueError(f"`state.lam` has shape {state.lam.shape}, expected "
                          f"{(num_topics, corpus.vocab_size)}.")
-    if schedule is not None and callable(temperature):
-        # at the steps this fit runs: a schedule that has not reached T = 1 by its last
-        # update warns (the topics are then those of the tempered model)
-        last_step = int(state.step) + int(math.ceil(passes * num_docs / batch_size))
-        schedules.validate(temperature, max(last_step, 1), name="temperature")
     if int(row_width) != row_width or row_width < 1:
         raise ValueError(f"`row_width` must be a positive integer, got {row_width!r}.")
     # the corpus on the device as rows, plus one empty row (index R) that pads minibatches
@@ -1199,6 +1194,10 @@ def fit(
     steps_per_pass = -(-num_docs // batch_size)
     num_steps = int(math.ceil(passes * num_docs / batch_size))
     first_step = int(state.step)
+    if schedule is not None and callable(temperature):
+        # at the steps this fit runs: a schedule that has not reached T = 1 by its last
+        # update warns (the topics are then those of the tempered model)
+        schedules.validate(temperature, max(first_step + num_steps, 1), name="temperature")
     lengths = np.append(corpus.lengths, 0)  # the extra document D pads short minibatches
     follow_topics = schedule is None and temperature.log_c_per_length is None
     if follow_topics and not (math.isfinite(temperature.refresh) and temperature.refresh >= 0):
