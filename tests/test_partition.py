@@ -262,6 +262,28 @@ def test_binomial_vs_brute(T):
     assert_allclose(got_l, ref, rtol=1e-10, atol=1e-12)
 
 
+def test_binomial_counts_known_at_trace_time_are_summed_in_one_chunk_without_a_loop():
+    """partition._BINOMIAL_ONE_CHUNK: counts known when traced (a number in the model) are
+    summed over their n + 1 terms at once -- no while loop in the program -- and give the
+    value and gradient of the series' loop, which traced counts (data) still take."""
+    n = np.array([0, 1, 3, 7, 20])
+    logits = jnp.asarray(special.logit(np.array([0.2, 0.5, 0.5, 0.9, 0.35])))
+
+    def log_z(lg, counts):
+        return jnp.sum(tempered_log_normalizer(npd.Binomial(counts, logits=lg), 3.0))
+
+    known = jax.jit(jax.value_and_grad(lambda lg: log_z(lg, n)))
+    traced = jax.jit(jax.value_and_grad(log_z))
+    assert "while" not in str(jax.make_jaxpr(known)(logits))
+    assert "while" in str(jax.make_jaxpr(traced)(logits, jnp.asarray(n)))
+    (v1, g1), (v2, g2) = known(logits), traced(logits, jnp.asarray(n))
+    ref = sum(brute_log_sum(stats.binom.logpmf(np.arange(m + 1), m, q), 3.0)
+              for m, q in zip(n, special.expit(np.asarray(logits)), strict=True))
+    assert_allclose([v1, v2], [ref, ref], rtol=2e-6)
+    assert_allclose(g1, g2, rtol=1e-5, atol=1e-6)
+    assert "while" in str(jax.make_jaxpr(lambda lg: log_z(lg, 5000))(logits[:1]))  # too many
+
+
 def test_binomial_degenerate_probs():
     with x64():
         got = tempered_log_normalizer(npd.Binomial(5, probs=jnp.array([0.0, 1.0])), 3.0)
