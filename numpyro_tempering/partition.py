@@ -155,7 +155,10 @@ divergent HMC step gave a nan rate), and a non-finite rate gives ``nan``. Gradie
 ``d log Z = E_{p_T}[d(log p(k) / T)]``, with the tempered expectation (closed-form
 derivatives of the terms) accumulated in the same loop. Binomial uses the same loop,
 which stops after ``k = max(n)`` (exact finite sum, ``total_count`` may be an array and
-may be traced).
+may be traced); counts known at trace time, or traced counts under
+:func:`binomial_terms` (which ``log_partition`` sets from the model's data), are summed in
+one chunk of ``max(n) + 1`` terms without the loop (Binomial(20): 21 terms instead of the
+loop's 16 + 128).
 
 Mixtures
 --------
@@ -212,10 +215,11 @@ Example
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any, Literal, NamedTuple
 
@@ -1237,10 +1241,32 @@ def _known_terms(n: Array) -> int | None:
     return int(most) + 1 if np.isfinite(most) and most < _BINOMIAL_ONE_CHUNK else None
 
 
+_BINOMIAL_TERMS: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "binomial_terms", default=None)
+
+
+@contextlib.contextmanager
+def binomial_terms(terms: int | None) -> Iterator[None]:
+    """Within it, Binomial normalisers whose counts are traced (data passed to a compiled
+    function) sum ``terms`` terms in one chunk, as counts known at trace time do, and give
+    NaN (never a truncated sum) wherever a count is ``>= terms``. ``None``: the series' loop.
+    :func:`~numpyro_tempering.partition_function.log_partition` sets it from the model's
+    largest count, found by running the model once on its data."""
+    token = _BINOMIAL_TERMS.set(terms)
+    try:
+        yield
+    finally:
+        _BINOMIAL_TERMS.reset(token)
+
+
 def _binomial_core(from_probs: bool, n: Array, param: Array, t: Array) -> Array:
     terms = _known_terms(n)
+    hinted = terms is None and _BINOMIAL_TERMS.get() is not None
+    if hinted:
+        terms = _BINOMIAL_TERMS.get()
     log_sum = _binomial_log_sum if terms is None else _finite_binomial_log_sum(terms)
-    return _bucketed(log_sum, _binomial_params_jit(from_probs, n, param, t))
+    log_z = _bucketed(log_sum, _binomial_params_jit(from_probs, n, param, t))
+    return jnp.where(jnp.asarray(n) < terms, log_z, jnp.nan) if hinted else log_z
 
 
 @partial(jax.jit, static_argnums=3)

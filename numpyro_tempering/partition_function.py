@@ -178,7 +178,13 @@ from numpyro.primitives import Messenger
 
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, Selection, temper
-from numpyro_tempering.partition import SERIES_LAWS, Fallback, tempered
+from numpyro_tempering.partition import (
+    _BINOMIAL_TERMS,
+    SERIES_LAWS,
+    Fallback,
+    binomial_terms,
+    tempered,
+)
 from numpyro_tempering.schedules import check_temperature
 from numpyro_tempering.structure import ModelSizes as ModelSizes  # importable from here too
 from numpyro_tempering.structure import (
@@ -1039,7 +1045,9 @@ def _cached_jit(
 
     dynamic = [v for v, a in zip(leaves, is_array, strict=True) if a]
     try:
-        cache_key = (tag, model, selection, extra, treedef, static, shapes)
+        # the Binomial terms of partition.binomial_terms are baked into the program
+        cache_key = (tag, model, selection, extra, treedef, static, shapes,
+                     _BINOMIAL_TERMS.get())
         hash(cache_key)
     except TypeError:
         cache_key = None
@@ -1483,6 +1491,33 @@ ROUTES = ("auto", "ladder", "per-temperature", "joint", "quadrature")
 LADDER_MIN_RUNGS = 8
 
 
+def _largest_binomial_count(model: Callable, args: tuple, kwargs: dict) -> int | None:
+    """The largest count of the model's Binomial sites plus one, for counts that are data
+    (traced in the compiled runners, where the normaliser would otherwise run the series'
+    loop: 144 terms for a Binomial(20)), found by running the model once on its data;
+    ``None`` without Binomial sites, when the run fails, or when a count is at least
+    ``partition._BINOMIAL_ONE_CHUNK``. Under :func:`~numpyro_tempering.partition.binomial_terms`
+    a count that differs in another run (a count drawn from a latent) gives NaN, flagged."""
+    from numpyro_tempering.partition import _BINOMIAL_ONE_CHUNK
+
+    laws = (npd.BinomialProbs, npd.BinomialLogits)
+
+    def binomials(tr: dict) -> list:
+        return [_unwrapped(s["fn"]) for s in tr.values()
+                if s["type"] == "sample" and isinstance(_unwrapped(s["fn"]), laws)]
+
+    if not binomials(structure_trace(model, args, kwargs)):
+        return None
+    try:
+        with jax.ensure_compile_time_eval():
+            counts = [np.asarray(d.total_count, np.float64)
+                      for d in binomials(trace(seed(model, 0)).get_trace(*args, **kwargs))]
+    except Exception:  # a model that runs only under jit: the series' loop
+        return None
+    most = max((np.max(c, initial=0.0) for c in counts), default=0.0)
+    return int(most) + 1 if np.isfinite(most) and most < _BINOMIAL_ONE_CHUNK else None
+
+
 def log_partition(
     rng_key: jax.Array,
     model: Callable,
@@ -1627,172 +1662,157 @@ def log_partition(
         batch_size = _check_count(batch_size, "batch_size")
     selection = Selection.of(sites, latent, exclude, joint)
     marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
-    key_probe = random.fold_in(rng_key, 1)
-    prior_kwargs = dict(num_inner=num_inner, plate=plate, batch_size=batch_size,
-                        fallback=fallback)
+    with binomial_terms(_largest_binomial_count(model, args, kwargs)):
+        key_probe = random.fold_in(rng_key, 1)
+        prior_kwargs = dict(num_inner=num_inner, plate=plate, batch_size=batch_size,
+                            fallback=fallback)
 
-    locals_known: list[bool] = []
+        locals_known: list[bool] = []
 
-    def locals_matter() -> bool:
-        if not locals_known:
-            locals_known.append(
-                bool(structure.local_latents)
-                and _locals_matter(key_probe, model, selection, temps, args, kwargs, plate,
-                                   fallback)
+        def locals_matter() -> bool:
+            if not locals_known:
+                locals_known.append(
+                    bool(structure.local_latents)
+                    and _locals_matter(key_probe, model, selection, temps, args, kwargs, plate,
+                                       fallback)
+                )
+            return locals_known[0]
+
+        def prior() -> LogPartitionEstimate:
+            est, nan_sites, _, infinite = _prior_estimate(
+                rng_key, model, selection, temps, structure, args, kwargs,
+                num_samples=num_samples, **prior_kwargs)
+            _warn_untrusted(est, nan_sites)
+            _warn_divergent(est, infinite)
+            if num_inner == 1 and locals_matter():
+                _warn_single_inner(structure.local_latents)
+            return est
+
+        if method == "prior":
+            return prior()
+        global_names, discrete = _global_sites(marked, args, kwargs, plate)
+        _refuse_fixed_globals(marked, args, kwargs, global_names)
+        if not global_names and not discrete:
+            return prior()  # no outer integral: the nested average over the locals only
+        if discrete:
+            _warn_fallback(f"discrete global site(s) {list(discrete)}")
+            return prior()
+        locals_joint = locals_matter()
+        local_route = route in ("joint", "quadrature")
+        if local_route and not locals_joint:
+            raise ValueError(
+                f"`route`={route!r} integrates continuous local latents that change the "
+                "per-element contributions; this model has none (use route='auto')."
             )
-        return locals_known[0]
-
-    def prior() -> LogPartitionEstimate:
-        est, nan_sites, _, infinite = _prior_estimate(
-            rng_key,
-            model,
-            selection,
-            temps,
-            structure,
-            args,
-            kwargs,
-            num_samples=num_samples,
-            **prior_kwargs,
-        )
-        _warn_untrusted(est, nan_sites)
-        _warn_divergent(est, infinite)
-        if num_inner == 1 and locals_matter():
-            _warn_single_inner(structure.local_latents)
-        return est
-
-    if method == "prior":
-        return prior()
-    global_names, discrete = _global_sites(marked, args, kwargs, plate)
-    _refuse_fixed_globals(marked, args, kwargs, global_names)
-    if not global_names and not discrete:
-        return prior()  # no outer integral: the nested average over the locals only
-    if discrete:
-        _warn_fallback(f"discrete global site(s) {list(discrete)}")
-        return prior()
-    locals_joint = locals_matter()
-    local_route = route in ("joint", "quadrature")
-    if local_route and not locals_joint:
-        raise ValueError(
-            f"`route`={route!r} integrates continuous local latents that change the "
-            "per-element contributions; this model has none (use route='auto')."
-        )
-    if locals_joint and route not in ("auto", "joint", "quadrature"):
-        _warn_fallback(
-            f"local latent site(s) {list(structure.local_latents)} change the per-element "
-            f"contributions, which route={route!r} does not integrate; route='auto' (or "
-            "'quadrature') integrates one-dimensional ones by adaptive Gauss-Hermite "
-            "quadrature with SMC over the globals (numpyro_tempering.local_quadrature) and "
-            "route='joint' any by one SMC over globals and locals "
-            "(numpyro_tempering.joint_smc)"
-        )
-        return prior()
-    if locals_joint:
-        from numpyro_tempering.joint_smc import unsupported
-
-        reason = unsupported(marked, args, kwargs, plate, global_names,
-                             _subsampled_plates(marked, args, kwargs))
-        if reason is not None:
+        if locals_joint and route not in ("auto", "joint", "quadrature"):
             _warn_fallback(
                 f"local latent site(s) {list(structure.local_latents)} change the per-element "
-                "contributions, and the joint SMC over globals and locals "
-                f"(numpyro_tempering.joint_smc) cannot serve them: {reason}"
+                f"contributions, which route={route!r} does not integrate; route='auto' (or "
+                "'quadrature') integrates one-dimensional ones by adaptive Gauss-Hermite "
+                "quadrature with SMC over the globals (numpyro_tempering.local_quadrature) and "
+                "route='joint' any by one SMC over globals and locals "
+                "(numpyro_tempering.joint_smc)"
             )
             return prior()
-        from numpyro_tempering.local_quadrature import MAX_DIM, local_dim
+        if locals_joint:
+            from numpyro_tempering.joint_smc import unsupported
 
-        dim = local_dim(marked, args, kwargs, plate, global_names)
-        quadrature = route in ("auto", "quadrature") and 0 < dim <= MAX_DIM
-        local = "quadrature" if quadrature else "joint"
-        if route == "auto" and not quadrature:
+            reason = unsupported(marked, args, kwargs, plate, global_names,
+                                 _subsampled_plates(marked, args, kwargs))
+            if reason is not None:
+                _warn_fallback(
+                    f"local latent site(s) {list(structure.local_latents)} change the per-element "
+                    "contributions, and the joint SMC over globals and locals "
+                    f"(numpyro_tempering.joint_smc) cannot serve them: {reason}"
+                )
+                return prior()
+            from numpyro_tempering.local_quadrature import MAX_DIM, local_dim
+
+            dim = local_dim(marked, args, kwargs, plate, global_names)
+            quadrature = route in ("auto", "quadrature") and 0 < dim <= MAX_DIM
+            local = "quadrature" if quadrature else "joint"
+            if route == "auto" and not quadrature:
+                _warn_fallback(
+                    f"local latent site(s) {list(structure.local_latents)} change the per-element "
+                    f"contributions with {dim} unconstrained coordinates per element; the "
+                    f"default quadrature over the locals serves at most {MAX_DIM}, and the joint "
+                    "SMC over globals and locals (route='joint', numpyro_tempering.joint_smc) is "
+                    "opt-in: on a Gamma local at N = 500 it took 160 s and erred by up to 0.5 "
+                    "nats, with standard errors that cover it"
+                )
+                return prior()
+        else:
+            local = None
+        probe, _, constant, infinite = _prior_estimate(
+            random.fold_in(rng_key, 2), model, selection, temps, structure, args, kwargs,
+            num_samples=16, **prior_kwargs)
+        if constant and not locals_joint:
+            from numpyro_tempering.tempered_smc import depends_on_globals
+
+            # equal values at the probe's draws are not enough (a spike no draw reached)
+            if not depends_on_globals(marked, args, kwargs, plate, fallback, global_names,
+                                      float(np.max(temps))):
+                _warn_divergent(probe, infinite)
+                return probe  # the contributions do not depend on the globals: exact
+        subsampled = _subsampled_plates(marked, args, kwargs)
+        if subsampled:
             _warn_fallback(
-                f"local latent site(s) {list(structure.local_latents)} change the per-element "
-                f"contributions with {dim} unconstrained coordinates per element; the "
-                f"default quadrature over the locals serves at most {MAX_DIM}, and the joint "
-                "SMC over globals and locals (route='joint', numpyro_tempering.joint_smc) is "
-                "opt-in: on a Gamma local at N = 500 it took 160 s and erred by up to 0.5 "
-                "nats, with standard errors that cover it"
+                f"subsampled plate(s) {subsampled}: the SMC would integrate one fixed subsample; "
+                "the fallback draws a subsample per prior draw and scales its normalisers by "
+                "N/B, which is exact only for identical elements (elements that differ, e.g. in "
+                "noise scale or length, add the subsample's noise to log C and bias it: "
+                "e^(N/B sum of B) is not unbiased for the product of all N); run the model on "
+                "the full plates"
             )
             return prior()
-    else:
-        local = None
-    probe, _, constant, infinite = _prior_estimate(
-        random.fold_in(rng_key, 2),
-        model,
-        selection,
-        temps,
-        structure,
-        args,
-        kwargs,
-        num_samples=16,
-        **prior_kwargs,
-    )
-    if constant and not locals_joint:
-        from numpyro_tempering.tempered_smc import depends_on_globals
+        from numpyro_tempering.tempered_smc import SMCSettings
 
-        # equal values at the probe's draws are not enough (a spike no draw reached)
-        if not depends_on_globals(marked, args, kwargs, plate, fallback, global_names,
-                                  float(np.max(temps))):
-            _warn_divergent(probe, infinite)
-            return probe  # the contributions do not depend on the globals: exact
-    subsampled = _subsampled_plates(marked, args, kwargs)
-    if subsampled:
-        _warn_fallback(
-            f"subsampled plate(s) {subsampled}: the SMC would integrate one fixed subsample; "
-            "the fallback draws a subsample per prior draw and scales its normalisers by "
-            "N/B, which is exact only for identical elements (elements that differ, e.g. in "
-            "noise scale or length, add the subsample's noise to log C and bias it: "
-            "e^(N/B sum of B) is not unbiased for the product of all N); run the model on "
-            "the full plates"
+        settings = SMCSettings(
+            num_particles=num_particles,
+            num_replicates=num_replicates,
+            num_mcmc_steps=num_mcmc_steps,
+            max_stages=max_stages,
         )
-        return prior()
-    from numpyro_tempering.tempered_smc import SMCSettings
-
-    settings = SMCSettings(
-        num_particles=num_particles,
-        num_replicates=num_replicates,
-        num_mcmc_steps=num_mcmc_steps,
-        max_stages=max_stages,
-    )
-    hot = bool(np.all(np.asarray(temps) >= 1.0))
-    if route == "ladder" and not hot:
-        bad = np.asarray(temps)[np.asarray(temps) < 1.0].tolist()
-        raise ValueError(
-            f"`route`='ladder' walks from T = 1 (the prior) to hotter rungs; temperatures "
-            f"{bad} are below 1: use route='per-temperature'."
+        hot = bool(np.all(np.asarray(temps) >= 1.0))
+        if route == "ladder" and not hot:
+            bad = np.asarray(temps)[np.asarray(temps) < 1.0].tolist()
+            raise ValueError(
+                f"`route`='ladder' walks from T = 1 (the prior) to hotter rungs; temperatures "
+                f"{bad} are below 1: use route='per-temperature'."
+            )
+        weights = list(structure.untempered_observed)
+        if route == "ladder" and weights:
+            raise ValueError(
+                f"`route`='ladder' starts at T = 1 from the prior, whose log C(1) = 0; the "
+                f"untempered observed site(s) {weights} are importance weights that make "
+                "C(1) != 1 (and the prior no exact draw of the T = 1 target): use "
+                "route='per-temperature' (route='auto' does)."
+            )
+        ladder = route == "ladder" or (
+            route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS and not locals_joint
+            and not weights
         )
-    weights = list(structure.untempered_observed)
-    if route == "ladder" and weights:
-        raise ValueError(
-            f"`route`='ladder' starts at T = 1 from the prior, whose log C(1) = 0; the "
-            f"untempered observed site(s) {weights} are importance weights that make "
-            "C(1) != 1 (and the prior no exact draw of the T = 1 target): use "
-            "route='per-temperature' (route='auto' does)."
-        )
-    ladder = route == "ladder" or (
-        route == "auto" and hot and temps.shape[0] >= LADDER_MIN_RUNGS and not locals_joint
-        and not weights
-    )
-    est = _smc_estimate(
-        rng_key, model, marked, selection, temps, structure, args,
-        kwargs, global_names, settings, plate, fallback, progress_bar, ladder, local,
-    )
-    if ladder and route == "auto" and _ladder_missed(est):
-        # the one-run ladder starts from the prior: a mode that no prior draw reaches is seen
-        # by the missed-mass check only; one SMC per temperature starts from Newton runs
-        # (and, with one global, the grid's maxima; with more, the rays) that can reach it
         est = _smc_estimate(
             rng_key, model, marked, selection, temps, structure, args,
-            kwargs, global_names, settings, plate, fallback, progress_bar, False, local,
+            kwargs, global_names, settings, plate, fallback, progress_bar, ladder, local,
         )
-    divergent = np.asarray(probe.divergent, bool)
-    if est.prior_log_c is not None:  # the 16 probe draws can miss a divergent region that
-        # the missed-mass check's prior draws reach (Student-t df ~ 1 + Gamma(5, 1) at
-        # T = 3: infinite where df <= 2, prior mass 0.004; it was NaN, blamed on the cap)
-        divergent = divergent | (np.asarray(est.prior_log_c) == np.inf)
-    est = _with_divergent(est, divergent)
-    _warn_untrusted_smc(est, settings.max_stages)
-    _warn_divergent(est, infinite)
-    return est
+        if ladder and route == "auto" and _ladder_missed(est):
+            # the one-run ladder starts from the prior: a mode that no prior draw reaches is seen
+            # by the missed-mass check only; one SMC per temperature starts from Newton runs
+            # (and, with one global, the grid's maxima; with more, the rays) that can reach it
+            est = _smc_estimate(
+                rng_key, model, marked, selection, temps, structure, args,
+                kwargs, global_names, settings, plate, fallback, progress_bar, False, local,
+            )
+        divergent = np.asarray(probe.divergent, bool)
+        if est.prior_log_c is not None:  # the 16 probe draws can miss a divergent region that
+            # the missed-mass check's prior draws reach (Student-t df ~ 1 + Gamma(5, 1) at
+            # T = 3: infinite where df <= 2, prior mass 0.004; it was NaN, blamed on the cap)
+            divergent = divergent | (np.asarray(est.prior_log_c) == np.inf)
+        est = _with_divergent(est, divergent)
+        _warn_untrusted_smc(est, settings.max_stages)
+        _warn_divergent(est, infinite)
+        return est
 
 
 def _ladder_missed(est: LogPartitionEstimate) -> bool:
