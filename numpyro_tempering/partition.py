@@ -243,6 +243,7 @@ __all__ = [
     "Fallback",
     "TemperedDistribution",
     "TemperedResult",
+    "binomial_terms",
     "register_tempered",
     "registered_types",
     "tempered",
@@ -1251,7 +1252,17 @@ def binomial_terms(terms: int | None) -> Iterator[None]:
     function) sum ``terms`` terms in one chunk, as counts known at trace time do, and give
     NaN (never a truncated sum) wherever a count is ``>= terms``. ``None``: the series' loop.
     :func:`~numpyro_tempering.partition_function.log_partition` sets it from the model's
-    largest count, found by running the model once on its data."""
+    largest count, found by running the model once on its data.
+
+    Example:
+        >>> import numpyro.distributions as dist
+        >>> def log_z(n):
+        ...     return tempered_log_normalizer(dist.Binomial(n, probs=0.5), 2.0)
+        >>> with binomial_terms(4):  # counts 0..3 summed in one chunk, 4 refused
+        ...     out = jax.jit(log_z)(jnp.array([1, 3, 4]))
+        >>> round(float(out[0]), 4), bool(jnp.isnan(out[2]))  # log(2 sqrt(1/2))
+        (0.3466, True)
+    """
     token = _BINOMIAL_TERMS.set(terms)
     try:
         yield
