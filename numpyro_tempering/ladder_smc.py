@@ -90,6 +90,7 @@ from numpyro_tempering.tempered_smc import (
     _solve_upper,
     _Target,
     map_grouped,
+    mean_acceptance,
     rays_beyond,
     run_size,
 )
@@ -238,8 +239,7 @@ def _stage(
         _log_tilted(target, 1.0 / b_new),
         lambda x: jnp.zeros((), u.dtype),
     )
-    acc = jnp.mean(info.update_info.acceptance_rate)
-    acc = jnp.where(jnp.isfinite(acc), acc, 0.0).astype(u.dtype)
+    acc = mean_acceptance(info.update_info.acceptance_rate).astype(u.dtype)
     step = jnp.clip(carry.step * jnp.exp(acc - 0.65), 1e-3, MAX_STEP).astype(u.dtype)
     return LadderCarry(
         new.particles, b_new, log_z, comp, mode, prec, ok, db, step, key, carry.stages + 1,

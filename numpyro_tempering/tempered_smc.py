@@ -659,6 +659,15 @@ def _laplace(
     return mode, jnp.where(ok, prec, eye)
 
 
+def mean_acceptance(rate: jax.Array) -> jax.Array:
+    """The mean of the HMC acceptance rates over particles and steps, a NaN rate (a proposal
+    whose energy is NaN: a divergence) counted as a rejection. One such particle used to make
+    the mean NaN, read as 0: the step size shrank by e^-0.65 at every stage that met one and
+    the run was flagged for acceptance 0 (a logit-normal Binomial, docs/reproductions.md)."""
+    acc = jnp.mean(jnp.where(jnp.isnan(rate), 0.0, rate))
+    return jnp.where(jnp.isfinite(acc), acc, 0.0)
+
+
 def _smc(
     target: _Target, settings: SMCSettings, key: jax.Array, temperature: jax.Array,
     reference: tuple[jax.Array, jax.Array] | None, per_element: bool,
@@ -770,8 +779,7 @@ def _smc(
         var = jnp.where(jnp.isfinite(var) & (var > 1e-12), jnp.minimum(var, local_var), 1.0)
         params = {"step_size": step[None], "inverse_mass_matrix": var[None]}
         new, info = kernel(sub, state, settings.num_mcmc_steps, params)
-        acc = jnp.mean(info.update_info.acceptance_rate)
-        acc = jnp.where(jnp.isfinite(acc), acc, 0.0)
+        acc = mean_acceptance(info.update_info.acceptance_rate)
         step = jnp.clip(step * jnp.exp(acc - 0.65), 1e-3, 2.0).astype(dtype)
         log_z = log_z + info.log_likelihood_increment
         bad = ~jnp.isfinite(log_z)
@@ -792,13 +800,16 @@ def _smc(
     elif per_element or top:  # one evaluation of the target for both
         log_p, (total, element, _) = jax.vmap(
             lambda u: (target.log_prior(u), target.pieces(u, temperature)))(state.particles)
+    # particles of weight 0 (a NaN or -inf target: e.g. a global scale drawn at e^-209,
+    # 0 in float32) carry nothing, and their NaN values must not reach the weighted means
+    live = state.weights > 0
     if per_element:
-        element = jnp.sum(state.weights[:, None] * element, 0)
+        element = jnp.sum(jnp.where(live[:, None], state.weights[:, None] * element, 0.0), 0)
     else:
         element = None
     out = (log_z, ess, stages, acc, element, state.tempering_param)
     if final is not None:
-        out = (*out, jnp.sum(state.weights * values))
+        out = (*out, jnp.sum(jnp.where(live, state.weights * values, 0.0)))
     if top:
         f = log_p + total
         out = (*out, jnp.max(jnp.where(jnp.isnan(f), -jnp.inf, f)))

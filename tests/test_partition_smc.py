@@ -367,3 +367,34 @@ def test_subsampled_plates_fall_back_with_a_warning():
     k = 6 * 0.5
     exact = 3 * np.log(2.0) + 0.5 * k * np.log(2 * np.pi) + 0.5 * (k * 0.1) ** 2
     assert float(est.log_c[1]) == pytest.approx(exact, abs=4 * float(est.stderr[1]) + 1e-3)
+
+
+def test_particles_of_weight_zero_do_not_make_the_final_means_nan():
+    """A particle whose target is NaN (a global scale drawn where the model's density is NaN:
+    a logit-normal Binomial's sigma at e^-209, 0 in float32) has weight 0; its NaN check
+    value and per-element values made the quadrature error NaN and flagged the temperature
+    (docs/reproductions.md, "A logit-normal Binomial"). Only weighted particles count."""
+    from numpyro_tempering.tempered_smc import SMCSettings, _smc, _Target
+
+    def pieces(u, t):
+        el = jnp.where(u[0] > 1.5, jnp.nan, -0.5 * u[0] ** 2 / t) * jnp.ones(2)
+        return jnp.sum(el), el, jnp.zeros(())
+
+    target = _Target(lambda k: jax.random.normal(k, (1,)),
+                     lambda u: -0.5 * jnp.sum(u**2) - 0.5 * np.log(2 * np.pi), pieces)
+    settings = SMCSettings(num_particles=64, max_stages=20)
+    out = jax.jit(lambda k: _smc(target, settings, k, jnp.asarray(2.0), None, True,
+                                 final=lambda u: (jnp.abs(pieces(u, 2.0)[0]),
+                                                  *pieces(u, 2.0)[1:])))(KEY)
+    log_z, element, check = out[0], out[4], out[6]
+    assert np.isfinite(log_z) and np.all(np.isfinite(element)) and np.isfinite(check)
+
+
+def test_a_nan_acceptance_counts_as_a_rejection_not_as_a_run_that_accepts_nothing():
+    """tempered_smc.mean_acceptance: one divergent proposal's NaN rate made the stage's mean
+    NaN, read as 0 (the step size shrank and the run was flagged for acceptance 0)."""
+    from numpyro_tempering.tempered_smc import mean_acceptance
+
+    rate = jnp.array([[1.0, jnp.nan], [0.5, 0.5]])
+    assert float(mean_acceptance(rate)) == 0.5
+    assert float(mean_acceptance(jnp.full((2, 2), jnp.nan))) == 0.0
