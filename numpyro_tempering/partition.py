@@ -1272,8 +1272,8 @@ def binomial_terms(terms: int | None) -> Iterator[None]:
 
 def _binomial_core(from_probs: bool, n: Array, param: Array, t: Array) -> Array:
     terms = _known_terms(n)
-    hinted = terms is None and _BINOMIAL_TERMS.get() is not None
-    if hinted:
+    hinted = isinstance(n, jax.core.Tracer) and _BINOMIAL_TERMS.get() is not None
+    if hinted:  # (known counts beyond _BINOMIAL_ONE_CHUNK keep the loop)
         terms = _BINOMIAL_TERMS.get()
     log_sum = _binomial_log_sum if terms is None else _finite_binomial_log_sum(terms)
     log_z = _bucketed(log_sum, _binomial_params_jit(from_probs, n, param, t))

@@ -306,6 +306,8 @@ def test_binomial_terms_sum_traced_counts_in_one_chunk_and_refuse_larger_ones():
     assert "while" not in program and "while" in str(jax.make_jaxpr(lambda c: log_z(c))(n))
     assert_allclose(hinted, jax.jit(lambda c: log_z(c))(n), rtol=2e-6)
     assert np.all(np.isfinite(short[:4])) and np.isnan(short[4])
+    with partition.binomial_terms(20):  # known counts are not held to the hint
+        assert np.isfinite(log_z(jnp.array([2000]))[0])
 
     def model(counts, y):
         with numpyro.plate("data", counts.shape[0]):
