@@ -1252,7 +1252,10 @@ def binomial_terms(terms: int | None) -> Iterator[None]:
     function) sum ``terms`` terms in one chunk, as counts known at trace time do, and give
     NaN (never a truncated sum) wherever a count is ``>= terms``. ``None``: the series' loop.
     :func:`~numpyro_tempering.partition_function.log_partition` sets it from the model's
-    largest count, found by running the model once on its data.
+    largest count, found by running the model once on its data, and keys its compiled
+    runners on it. JAX's trace caches, keyed on the Python function, do not see it: a
+    function traced under one value and traced again under another keeps its first trace
+    (give each value a function object of its own, e.g. a fresh ``lambda``).
 
     Example:
         >>> import numpyro.distributions as dist
