@@ -322,6 +322,9 @@ class _Structure(NamedTuple):
     local_latents: tuple[str, ...]  # redrawn num_inner times per element
     untempered_observed: tuple[str, ...]  # importance weights (C(1) != 1 legitimately)
     series: bool = False  # a tempered site's normaliser is a series (partition.SERIES_LAWS)
+    # tempered Binomial sites, whose counts _largest_binomial_count reads (none when a plate
+    # is subsampled: one run's counts are then not all the data's)
+    binomial_sites: tuple[str, ...] = ()
 
 
 def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _Structure:
@@ -366,6 +369,9 @@ def _probe(marked: Callable, args: tuple, kwargs: dict, plate: str | None) -> _S
         ),
         series=any(isinstance(_unwrapped(s["fn"]), SERIES_LAWS)
                    for s in tempered_sites.values()),
+        binomial_sites=() if _subsampled_in(tr) else tuple(sorted(
+            n for n, s in tempered_sites.items()
+            if isinstance(_unwrapped(s["fn"]), (npd.BinomialProbs, npd.BinomialLogits)))),
     )
 
 
@@ -1471,7 +1477,11 @@ def _smc_estimate(
 
 def _subsampled_plates(marked: Callable, args: tuple, kwargs: dict) -> list[str]:
     """Names of the plates a run visits only a subsample of."""
-    tr = structure_trace(marked, args, kwargs)
+    return _subsampled_in(structure_trace(marked, args, kwargs))
+
+
+def _subsampled_in(tr: dict) -> list[str]:
+    """Names of the plates of the trace ``tr`` that its run visited only a subsample of."""
     return sorted(
         n
         for n, site in tr.items()
@@ -1491,30 +1501,26 @@ ROUTES = ("auto", "ladder", "per-temperature", "joint", "quadrature")
 LADDER_MIN_RUNGS = 8
 
 
-def _largest_binomial_count(model: Callable, args: tuple, kwargs: dict) -> int | None:
-    """The largest count of the model's Binomial sites plus one, for counts that are data
-    (traced in the compiled runners, where the normaliser would otherwise run the series'
-    loop: 144 terms for a Binomial(20)), found by running the model once on its data;
-    ``None`` without Binomial sites, when the run fails, or when a count is at least
+def _largest_binomial_count(model: Callable, args: tuple, kwargs: dict,
+                            sites: tuple[str, ...]) -> int | None:
+    """The largest count of the tempered Binomial ``sites`` plus one, for counts that are
+    data (traced in the compiled runners, where the normaliser would otherwise run the
+    series' loop: 144 terms for a Binomial(20)), found by running the model once on its
+    data; ``None`` without such sites (:attr:`_Structure.binomial_sites`: none either when a
+    plate is subsampled), when the run fails, or when a count is at least
     ``partition._BINOMIAL_ONE_CHUNK``. Under :func:`~numpyro_tempering.partition.binomial_terms`
-    a count that differs in another run (a count drawn from a latent) gives NaN, flagged."""
+    a count that differs in another run (a count drawn from a discrete latent, which the
+    SMC refuses) gives NaN."""
     from numpyro_tempering.partition import _BINOMIAL_ONE_CHUNK
 
-    laws = (npd.BinomialProbs, npd.BinomialLogits)
-
-    def binomials(tr: dict) -> list:
-        return [_unwrapped(s["fn"]) for s in tr.values()
-                if s["type"] == "sample" and isinstance(_unwrapped(s["fn"]), laws)]
-
-    if not binomials(structure_trace(model, args, kwargs)):
+    if not sites:
         return None
     try:
-        with jax.ensure_compile_time_eval():
-            counts = [np.asarray(d.total_count, np.float64)
-                      for d in binomials(trace(seed(model, 0)).get_trace(*args, **kwargs))]
+        tr = trace(seed(model, 0)).get_trace(*args, **kwargs)
+        most = max(float(np.max(np.asarray(_unwrapped(tr[n]["fn"]).total_count, np.float64),
+                                initial=0.0)) for n in sites)
     except Exception:  # a model that runs only under jit: the series' loop
         return None
-    most = max((np.max(c, initial=0.0) for c in counts), default=0.0)
     return int(most) + 1 if np.isfinite(most) and most < _BINOMIAL_ONE_CHUNK else None
 
 
@@ -1662,7 +1668,8 @@ def log_partition(
         batch_size = _check_count(batch_size, "batch_size")
     selection = Selection.of(sites, latent, exclude, joint)
     marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
-    with binomial_terms(_largest_binomial_count(model, args, kwargs)):
+    with binomial_terms(_largest_binomial_count(model, args, kwargs,
+                                                structure.binomial_sites)):
         key_probe = random.fold_in(rng_key, 1)
         prior_kwargs = dict(num_inner=num_inner, plate=plate, batch_size=batch_size,
                             fallback=fallback)

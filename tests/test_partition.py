@@ -317,9 +317,20 @@ def test_binomial_terms_sum_traced_counts_in_one_chunk_and_refuse_larger_ones():
         with numpyro.plate("data", y.shape[0]):
             numpyro.sample("y", npd.Binomial(20, logits=0.3), obs=y)
 
-    assert _largest_binomial_count(model, (n, n), {}) == 21
-    assert _largest_binomial_count(literal, (n,), {}) == 21  # (known when traced anyway)
-    assert _largest_binomial_count(model, (n * 100, n), {}) is None  # >= _BINOMIAL_ONE_CHUNK
+    def subsampled(counts, y):
+        with numpyro.plate("data", counts.shape[0], subsample_size=2) as idx:
+            numpyro.sample("y", npd.Binomial(counts[idx], logits=0.3), obs=y[idx])
+
+    from numpyro_tempering.handlers import Selection
+    from numpyro_tempering.partition_function import _marked, _probe
+
+    def sites(m, *args):
+        return _probe(_marked(m, Selection.of()), args, {}, None).binomial_sites
+
+    assert sites(model, n, n) == ("y",) and sites(subsampled, n, n) == ()  # one subsample's
+    assert _largest_binomial_count(model, (n, n), {}, ("y",)) == 21
+    assert _largest_binomial_count(literal, (n,), {}, ("y",)) == 21  # (known when traced)
+    assert _largest_binomial_count(model, (n * 100, n), {}, ("y",)) is None  # >= ONE_CHUNK
 
 
 def test_log_partition_sums_a_binomial_with_counts_as_data_in_one_chunk(monkeypatch):
