@@ -176,6 +176,7 @@ from numpyro.distributions.distribution import Unit
 from numpyro.handlers import seed, substitute, trace
 from numpyro.primitives import Messenger
 
+from numpyro_tempering.conjugate import collapse_locals, collapsible_locals
 from numpyro_tempering.engine import _element_log_lik
 from numpyro_tempering.handlers import TEMPERED, Selection, temper
 from numpyro_tempering.partition import (
@@ -1555,10 +1556,13 @@ def log_partition(
     Before it, a plain Monte Carlo probe (16 prior draws) checks :math:`\log Z(1) = 0` for
     every tempered site, and when the contributions are the same for every draw of the
     globals (they do not depend on them) its exact value is returned instead (``method``
-    ``"prior"``, ``stderr`` 0). Continuous local latents that change the contributions
-    are integrated by default (``route="auto"`` or ``"quadrature"``): one-dimensional
-    locals (per element, on the unconstrained space) by adaptive Gauss-Hermite quadrature
-    given the globals and tempered SMC over the globals
+    ``"prior"``, ``stderr`` 0). Beta locals read only as the ``probs`` of one tempered
+    Bernoulli or Binomial site are first integrated in closed form
+    (:mod:`numpyro_tempering.conjugate`: the rat-tumour model's shape); other continuous
+    local latents that change the contributions are integrated by default
+    (``route="auto"`` or ``"quadrature"``): one-dimensional locals (per element, on the
+    unconstrained space) by adaptive Gauss-Hermite quadrature given the globals and tempered
+    SMC over the globals
     (:mod:`numpyro_tempering.local_quadrature`; the quadrature error is measured, added to
     ``stderr`` and flagged above 0.02 nats, ``quadrature_error``). ``route="joint"``
     (opt-in, any dimension) runs one SMC over globals and locals jointly
@@ -1668,6 +1672,10 @@ def log_partition(
         batch_size = _check_count(batch_size, "batch_size")
     selection = Selection.of(sites, latent, exclude, joint)
     marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
+    collapsed = collapsible_locals(marked, args, kwargs, selection)
+    if collapsed:  # Beta locals read only by a Binomial: integrated in closed form
+        model = collapse_locals(model, collapsed)
+        marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
     with binomial_terms(_largest_binomial_count(model, args, kwargs,
                                                 structure.binomial_sites)):
         key_probe = random.fold_in(rng_key, 1)
