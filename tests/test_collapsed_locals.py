@@ -241,3 +241,26 @@ def test_a_hierarchical_beta_binomial_runs_over_its_two_globals_within_its_error
     assert est.method == "smc" and est.quadrature_error is None  # over the globals alone
     err = abs(float(est.log_c[0]) - exact)
     assert err < 0.1 and err <= 3 * float(est.stderr[0]), (est.log_c, exact, est.stderr)
+
+
+def test_under_scan_and_with_to_event_the_locals_are_collapsed_exactly():
+    from numpyro.contrib.control_flow import scan
+
+    def scanned(ys):
+        def step(carry, y):
+            p = numpyro.sample("p", dist.Beta(2.0, 3.0))
+            numpyro.sample("y", dist.Bernoulli(p), obs=y)
+            return carry, None
+
+        scan(step, 0.0, ys)
+
+    def as_event(ys):
+        p = numpyro.sample("p", dist.Beta(2.0, 3.0).expand([4]).to_event(1))
+        numpyro.sample("y", dist.Bernoulli(p).to_event(1), obs=ys)
+
+    exact = 4 * definition(2.0, 3.0, 1, 2.0)
+    for model in (scanned, as_event):
+        assert list(found(model, jnp.zeros(4))) == ["p"]
+        est = log_partition(KEY, model, np.array([2.0]), jnp.zeros(4), progress_bar=False)
+        assert float(est.log_c[0]) == pytest.approx(exact, abs=2e-5)
+        assert float(est.stderr[0]) < 1e-6
