@@ -34,8 +34,14 @@ h(n - y)) - R(a + b, hn)` with :math:`m = a/(a + b)` and :math:`R(x, d) = \log\G
 one site reads it, a tempered, observed ``Bernoulli(probs=p)`` or ``Binomial(n, probs=p)``
 of the same shape, unscaled and unmasked, whose ``probs`` *is* the local (checked on two
 runs with different values of it, which must change no other site's density) and whose
-counts are below ``partition._BINOMIAL_ONE_CHUNK``. Anything else -- ``probs=f(p)``, a
-second reader, a ``factor`` that reads ``p``, ``logits`` -- keeps the route it had.
+counts are below ``partition._BINOMIAL_ONE_CHUNK``; or a tempered ``Bernoulli`` whose
+``probs`` is the local broadcast along leading dimensions (a nested plate of trials that
+share it; the local has at least one dimension): then :math:`c_n = \sum_k \binom{m}{k}
+B(a + hk, b + h(m - k)) / B(a, b)` for its :math:`m` trials, the coefficient not raised to
+:math:`h` (:class:`CollapsedBetaBinomial` with ``trials``). Anything else --
+``probs=f(p)``, a second reader, a ``factor`` that reads ``p``, ``logits``, Binomial
+trials that share a local, a scalar Beta read by every element (a global: the SMC over it
+serves it) -- keeps the route it had.
 
 Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -50,6 +56,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -101,9 +108,11 @@ def log_gamma_excess(x: Array, d: Array) -> Array:
     return jnp.where(big, large, jnp.where(x > 0, small, jnp.nan))
 
 
-def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int) -> Array:
+def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int,
+               per_trial: bool = False) -> Array:
     """Per count ``y = 0..terms-1`` (last axis), ``log [binom(n, y)^h B(a + hy, b + h(n - y))
-    / B(a, b)]``, ``-inf`` for ``y > n``."""
+    / B(a, b)]`` (``per_trial``: ``binom(n, y)`` not raised to ``h``, the count of ``n``
+    tempered Bernoulli trials), ``-inf`` for ``y > n``."""
     dtype = jnp.result_type(a, b, t)
     h = (1.0 / t)[..., None]
     a, b, n = a[..., None], b[..., None], jnp.asarray(n, dtype)[..., None]
@@ -114,6 +123,8 @@ def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int) -> Array:
     pmf = log_binom + xlogy(yc, a / s) + xlogy(n - yc, b / s)
     excess = (log_gamma_excess(a, h * yc) + log_gamma_excess(b, h * (n - yc))
               - log_gamma_excess(s, h * n))
+    if per_trial:
+        excess = excess + (1.0 - h) * log_binom
     return jnp.where(y <= n, h * pmf + excess, -jnp.inf)
 
 
@@ -123,13 +134,20 @@ class CollapsedBetaBinomial(npd.BetaBinomial):
     b) \sum_y \mathrm{Binomial}(y \mid n, p)^{1/T}` (module docstring), not that of a
     Beta-binomial site raised to :math:`1/T`. Untempered it is the Beta-binomial.
     ``terms``: one more than the largest count it may be given (a count at or above it
-    gives NaN, never a truncated sum)."""
+    gives NaN, never a truncated sum).
 
-    pytree_aux_fields = ("terms",)
+    ``trials > 1``: each entry is one of ``trials`` Bernoulli trials that share one local
+    (a nested plate of trials, all read from the same :math:`p`); each holds
+    :math:`\log c / \text{trials}` with :math:`c = \sum_k \binom{m}{k} B(a + hk, b + h(m -
+    k)) / B(a, b)`, :math:`m` = ``trials`` (the trials' own :math:`\sum_{x \in \{0, 1\}^m}
+    \prod_j p^{h x_j} (1 - p)^{h (1 - x_j)} = (p^h + (1 - p)^h)^m`), so that the entries of a
+    group add up to its :math:`\log c`."""
+
+    pytree_aux_fields = ("terms", "trials")
 
     def __init__(self, concentration1: Array, concentration0: Array, total_count: Array = 1,
-                 *, terms: int = 2, validate_args: bool | None = None) -> None:
-        self.terms = int(terms)
+                 *, terms: int = 2, trials: int = 1, validate_args: bool | None = None) -> None:
+        self.terms, self.trials = int(terms), int(trials)
         super().__init__(concentration1, concentration0, total_count,
                          validate_args=validate_args)
 
@@ -139,6 +157,9 @@ class _TemperedCollapsed(TemperedDistribution):
 
     def log_prob(self, value: Array) -> Array:
         d = self.base_dist
+        if d.trials > 1:
+            raise NotImplementedError("the tempered law of trials that share a local is joint "
+                                      "over the group: no per-trial log_prob")
         log_t = _log_terms(d.concentration1, d.concentration0, d.total_count,
                            self.temperature, d.terms)
         y = jnp.asarray(value).astype(jnp.int32)[..., None]
@@ -151,6 +172,8 @@ class _TemperedCollapsed(TemperedDistribution):
 
 def _sample_collapsed(key: Array, td: _TemperedCollapsed, shape: tuple[int, ...]) -> Array:
     d = td.base_dist
+    if d.trials > 1:
+        raise NotImplementedError("trials that share a local are drawn jointly: no sampler")
     log_t = _log_terms(d.concentration1, d.concentration0, d.total_count, td.temperature,
                        d.terms)
     log_t = jnp.broadcast_to(log_t, td.batch_shape + (d.terms,))
@@ -160,9 +183,13 @@ def _sample_collapsed(key: Array, td: _TemperedCollapsed, shape: tuple[int, ...]
 
 @register_tempered(CollapsedBetaBinomial)
 def _collapsed(d: CollapsedBetaBinomial, t: Array) -> TemperedResult:
-    log_z = logsumexp(_log_terms(d.concentration1, d.concentration0, d.total_count, t,
-                                 d.terms), axis=-1)
-    log_z = jnp.where(jnp.asarray(d.total_count) < d.terms, log_z, jnp.nan)
+    a, b = d.concentration1, d.concentration0
+    if d.trials > 1:
+        log_c = logsumexp(_log_terms(a, b, d.trials, t, d.trials + 1, per_trial=True), -1)
+        log_z = log_c / d.trials
+    else:
+        log_z = logsumexp(_log_terms(a, b, d.total_count, t, d.terms), axis=-1)
+        log_z = jnp.where(jnp.asarray(d.total_count) < d.terms, log_z, jnp.nan)
     law = _TemperedCollapsed(d, t, log_z, _sample_collapsed, validate_args=False)
     return TemperedResult(log_z, law)
 
@@ -178,6 +205,7 @@ class Collapse(NamedTuple):
     child: str  # the tempered Bernoulli / Binomial site reading the local as its probs
     terms: int  # one more than its largest count
     event_ndims: int  # the child's event dimensions (``to_event``)
+    trials: int = 1  # Bernoulli trials per local (its leading dimensions beyond the local's)
 
 
 def _layers(fn: Any) -> Any:
@@ -212,14 +240,27 @@ def _unscaled(site: dict) -> bool:
     return site.get("scale") is None and not isinstance(site["fn"], npd.MaskedDistribution)
 
 
-def _reads(site: dict, value: Array) -> bool:
+def _reads(site: dict, value: Array) -> int:
+    """How many entries of ``site`` read each entry of ``value`` as their probs: 1 for the
+    same shape, the product of the leading dimensions for Bernoulli trials that share a
+    local of at least one dimension (0: it does not read it so)."""
     found = _probs_and_count(site["fn"])
-    return (found is not None and found[0].shape == value.shape
-            and bool(np.array_equal(np.asarray(found[0]), np.asarray(value))))
+    if found is None:
+        return 0
+    probs, shape = np.asarray(found[0]), np.shape(value)
+    if probs.shape == shape:
+        return int(np.array_equal(probs, np.asarray(value)))
+    lead = probs.shape[: probs.ndim - len(shape)]
+    if (not shape or probs.shape[len(lead):] != shape
+            or type(_layers(site["fn"])) is not npd.BernoulliProbs):
+        return 0
+    same = np.array_equal(probs, np.broadcast_to(np.asarray(value), probs.shape))
+    return math.prod(lead) if same else 0
 
 
 def _candidates(tr: dict) -> dict[str, str]:
-    """Untempered Beta locals -> their one tempered, observed Bernoulli/Binomial reader."""
+    """Untempered Beta locals -> their one tempered, observed Bernoulli/Binomial reader
+    (``_reads``)."""
     out = {}
     for name, site in tr.items():
         if (site["type"] != "sample" or site["is_observed"] or not _unscaled(site)
@@ -253,7 +294,7 @@ def _read_only_by(marked: Callable, args: tuple, kwargs: dict, tr: dict, local: 
                if s["type"] == "sample" and not s["is_observed"] and n != local}
     latents[local] = other
     tr2 = trace(substitute(seed(marked, 0), data=latents)).get_trace(*args, **kwargs)
-    if child not in tr2 or not _reads(tr2[child], other):
+    if child not in tr2 or _reads(tr2[child], other) != _reads(tr[child], tr[local]["value"]):
         return False
     before = _site_log_probs(tr, {local, child})
     after = _site_log_probs(tr2, {local, child})
@@ -282,7 +323,8 @@ def collapsible_locals(marked: Callable, args: tuple, kwargs: dict,
         if not _read_only_by(marked, args, kwargs, tr, local, child):
             continue
         event_ndims = len(tr[child]["fn"].event_shape)
-        out[local] = Collapse(child, int(most) + 1, event_ndims)
+        trials = _reads(tr[child], jnp.asarray(tr[local]["value"]))
+        out[local] = Collapse(child, int(most) + 1, event_ndims, trials)
     return out
 
 
@@ -319,7 +361,9 @@ class _collapse(Messenger):
             a, b = self.params.pop(local)
             pair = self.pairs[local]
             count = _probs_and_count(msg["fn"])[1]
-            fn = CollapsedBetaBinomial(a, b, count, terms=pair.terms, validate_args=False)
+            a, b = jnp.broadcast_to(a, count.shape), jnp.broadcast_to(b, count.shape)
+            fn = CollapsedBetaBinomial(a, b, count, terms=pair.terms, trials=pair.trials,
+                                       validate_args=False)
             msg["fn"] = fn.to_event(pair.event_ndims) if pair.event_ndims else fn
 
 

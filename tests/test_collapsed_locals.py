@@ -264,3 +264,52 @@ def test_under_scan_and_with_to_event_the_locals_are_collapsed_exactly():
         est = log_partition(KEY, model, np.array([2.0]), jnp.zeros(4), progress_bar=False)
         assert float(est.log_c[0]) == pytest.approx(exact, abs=2e-5)
         assert float(est.stderr[0]) < 1e-6
+
+
+def trials_definition(a: float, b: float, m: int, T: float) -> float:
+    """log E_Beta(a, b)[(p^h + (1 - p)^h)^m] by adaptive quadrature over p."""
+    h = 1.0 / T
+
+    def f(p: float) -> float:
+        if not 0.0 < p < 1.0:
+            return 0.0
+        log_z = m * np.logaddexp(h * np.log(p), h * np.log1p(-p))
+        return np.exp((a - 1) * np.log(p) + (b - 1) * np.log1p(-p) - betaln(a, b) + log_z)
+
+    return float(np.log(integrate.quad(f, 0.0, 1.0, limit=400, epsabs=0, epsrel=1e-11)[0]))
+
+
+def test_bernoulli_trials_in_a_nested_plate_share_their_local_exactly():
+    a, b, groups, m = 0.8, 1.7, 3, 6
+
+    def model(y):
+        with numpyro.plate("groups", groups):
+            p = numpyro.sample("p", dist.Beta(a, b))
+            with numpyro.plate("trials", m, dim=-2):
+                numpyro.sample("y", dist.Bernoulli(p), obs=y)
+
+    pairs = found(model, jnp.zeros((m, groups)))
+    assert pairs["p"].trials == m
+    temps = np.array([1.0, 2.5])
+    est = log_partition(KEY, model, temps, jnp.zeros((m, groups)), plate="groups",
+                        progress_bar=False)
+    exact = [groups * trials_definition(a, b, m, T) for T in temps]
+    np.testing.assert_allclose(est.log_c, exact, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(est.element_log_c)[1], exact[1] / groups, atol=1e-5)
+
+
+def test_shared_binomials_and_a_scalar_beta_are_left_to_the_smc():
+    def binomial_trials(y):
+        with numpyro.plate("groups", 3):
+            p = numpyro.sample("p", dist.Beta(2.0, 2.0))
+            with numpyro.plate("trials", 4, dim=-2):
+                numpyro.sample("y", dist.Binomial(5, probs=p), obs=y)
+
+    def scalar(y):  # one global p read by every element: the SMC over p serves it
+        p = numpyro.sample("p", dist.Beta(2.0, 3.0))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(p), obs=y)
+
+    assert found(binomial_trials, jnp.zeros((4, 3))) == {}
+    assert found(scalar, jnp.zeros(5)) == {}
+
