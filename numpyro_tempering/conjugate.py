@@ -324,6 +324,8 @@ def collapsible_locals(marked: Callable, args: tuple, kwargs: dict,
             continue
         event_ndims = len(tr[child]["fn"].event_shape)
         trials = _reads(tr[child], jnp.asarray(tr[local]["value"]))
+        if trials >= _BINOMIAL_ONE_CHUNK:  # (the sum has trials + 1 terms per element)
+            continue
         out[local] = Collapse(child, int(most) + 1, event_ndims, trials)
     return out
 
