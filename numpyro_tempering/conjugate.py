@@ -77,6 +77,7 @@ from numpyro_tempering.partition import (
     register_tempered,
 )
 from numpyro_tempering.special import _LOG_BETA_LARGE, _stirling_correction
+from numpyro_tempering.structure import structure_trace
 
 __all__ = ["CollapsedBetaBinomial", "collapse_locals", "collapsible_locals", "log_gamma_excess"]
 
@@ -310,6 +311,10 @@ def collapsible_locals(marked: Callable, args: tuple, kwargs: dict,
     predicate could read the replaced distribution) or the model does not run eagerly."""
     if selection.joint or callable(selection.sites):
         return {}
+    shapes = structure_trace(marked, args, kwargs)  # abstract: nothing is computed
+    if not any(s["type"] == "sample" and not s["is_observed"]
+               and type(_layers(s["fn"])) is npd.Beta for s in shapes.values()):
+        return {}  # no Beta latent: no eager run
     try:
         tr = trace(seed(marked, 0)).get_trace(*args, **kwargs)
     except Exception:  # a model that runs only under jit: no collapse
