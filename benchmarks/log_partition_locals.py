@@ -1,8 +1,12 @@
 """log C(T) of models with continuous locals: the quadrature route and the joint SMC
 against exact references (issue 20, scope 5).
 
-``python benchmarks/log_partition_locals.py [--models normal,lognormal,gamma,poisson,binomial]
-[--route quadrature|joint-smc] [--num N]``
+``python benchmarks/log_partition_locals.py [--models normal,lognormal,gamma,poisson,binomial,
+rats] [--route quadrature|joint-smc] [--num N]``
+
+``rats``: Beta locals under Binomial counts (the rat-tumour shape, 18 experiments), which
+``log_partition`` integrates in closed form (``numpyro_tempering.conjugate``; the default
+route, the globals alone).
 
 Per model and temperature (T in {1, 1.5, 3, 10}, float32, defaults): the error against the
 exact value, the standard error, the measured quadrature error (quadrature route), the
@@ -26,6 +30,7 @@ from scipy.special import gammaln
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from test_collapsed_locals import RAT_COUNTS, rats, rats_exact  # noqa: E402
 from test_log_partition_locals import (  # noqa: E402
     SHAPE,
     TAU,
@@ -105,6 +110,7 @@ MODELS = {
     "poisson": (poisson_log_link, lambda n: np.array([poisson_reference(float(t))
                                                       for t in TEMPS]), 4),
     "binomial": (logit_normal_binomial, lambda n: binomial_exact(TEMPS, n), 200),
+    "rats": (rats, lambda n: np.array([rats_exact(float(t)) for t in TEMPS]), RAT_COUNTS.size),
 }
 
 
@@ -125,9 +131,14 @@ def main() -> None:
             start = time.perf_counter()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                data = jnp.zeros(num, jnp.int32 if name == "binomial" else jnp.float32)
-                est = log_partition(jax.random.PRNGKey(key), model, TEMPS, data,
-                                    plate="data", progress_bar=False, route="quadrature")
+                if name == "rats":  # its locals are collapsed: the default route
+                    est = log_partition(jax.random.PRNGKey(key), model, TEMPS,
+                                        jnp.asarray(RAT_COUNTS, jnp.float32), plate="exp",
+                                        progress_bar=False)
+                else:
+                    data = jnp.zeros(num, jnp.int32 if name == "binomial" else jnp.float32)
+                    est = log_partition(jax.random.PRNGKey(key), model, TEMPS, data,
+                                        plate="data", progress_bar=False, route="quadrature")
             secs = time.perf_counter() - start
             err = np.asarray(est.log_c, np.float64) - exact
             se = np.asarray(est.stderr, np.float64)
