@@ -29,19 +29,20 @@ h(n - y)) - R(a + b, hn)` with :math:`m = a/(a + b)` and :math:`R(x, d) = \log\G
 - \log\Gamma(x) - d \log x` (Stirling's series from 8 on): the terms of size :math:`h n
 \log(a + b)` cancel analytically, so a concentrated Beta keeps float32 accuracy.
 
-**Which pairs.** The local is an unobserved ``Beta`` site (plate expansions and
-``to_event`` allowed), not tempered itself, without a ``scale`` (no subsampling); exactly
-one site reads it, a tempered, observed ``Bernoulli(probs=p)`` or ``Binomial(n, probs=p)``
-of the same shape, unscaled and unmasked, whose ``probs`` *is* the local (checked on two
-runs with different values of it, which must change no other site's density) and whose
-counts are below ``partition._BINOMIAL_ONE_CHUNK``; or a tempered ``Bernoulli`` whose
-``probs`` is the local broadcast along leading dimensions (a nested plate of trials that
-share it; the local has at least one dimension): then :math:`c_n = \sum_k \binom{m}{k}
-B(a + hk, b + h(m - k)) / B(a, b)` for its :math:`m` trials, the coefficient not raised to
-:math:`h` (:class:`CollapsedBetaBinomial` with ``trials``). Anything else --
-``probs=f(p)``, a second reader, a ``factor`` that reads ``p``, ``logits``, Binomial
-trials that share a local, a scalar Beta read by every element (a global: the SMC over it
-serves it) -- keeps the route it had.
+**Which pairs.** The local is an unobserved ``Beta`` site (plate expansions and ``to_event``
+allowed; tempered or not: with ``latent=`` naming it, its density :math:`\mathrm{Beta}(p; a,
+b)^{1/T}` enters unnormalised), without a ``scale`` (no subsampling); exactly one site reads
+it, a tempered, observed ``Bernoulli(probs=p)`` or ``Binomial(n, probs=p)`` of the same
+shape, unscaled and unmasked, whose ``probs`` *is* the local (checked on two runs with
+different values of it, which must change no other site's density) and whose counts are
+below ``partition._BINOMIAL_ONE_CHUNK``; or a tempered ``Bernoulli`` whose ``probs`` is the
+local broadcast along leading dimensions (a nested plate of trials that share it; the local
+has at least one dimension): then :math:`c_n = \sum_k \binom{m}{k} B(a + hk, b + h(m - k)) /
+B(a, b)` for its :math:`m` trials, the coefficient not raised to :math:`h`
+(:class:`CollapsedBetaBinomial` with ``trials``). Anything else -- ``probs=f(p)``, a second
+reader, a ``factor`` that reads ``p``, ``logits``, Binomial trials that share a local, a
+scalar Beta read by every element (a global: the SMC over it serves it) -- keeps the route
+it had.
 
 Example:
     >>> import jax, jax.numpy as jnp, numpyro, numpyro.distributions as dist
@@ -76,7 +77,11 @@ from numpyro_tempering.partition import (
     TemperedResult,
     register_tempered,
 )
-from numpyro_tempering.special import _LOG_BETA_LARGE, _stirling_correction
+from numpyro_tempering.special import (
+    _LOG_BETA_LARGE,
+    _stirling_correction,
+    tempered_log_gamma,
+)
 from numpyro_tempering.structure import structure_trace
 
 __all__ = ["CollapsedBetaBinomial", "collapse_locals", "collapsible_locals", "log_gamma_excess"]
@@ -110,10 +115,12 @@ def log_gamma_excess(x: Array, d: Array) -> Array:
 
 
 def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int,
-               per_trial: bool = False) -> Array:
+               per_trial: bool = False, tempered_local: bool = False) -> Array:
     """Per count ``y = 0..terms-1`` (last axis), ``log [binom(n, y)^h B(a + hy, b + h(n - y))
     / B(a, b)]`` (``per_trial``: ``binom(n, y)`` not raised to ``h``, the count of ``n``
-    tempered Bernoulli trials), ``-inf`` for ``y > n``."""
+    tempered Bernoulli trials; ``tempered_local``: the local's density raised to ``h`` too,
+    ``B(a' + hy, b' + h(n - y)) / B(a, b)^h`` with ``a' = h (a - 1) + 1``, ``+inf`` where
+    ``a'`` or ``b'`` is not positive), ``-inf`` for ``y > n``."""
     dtype = jnp.result_type(a, b, t)
     h = (1.0 / t)[..., None]
     a, b, n = a[..., None], b[..., None], jnp.asarray(n, dtype)[..., None]
@@ -126,7 +133,15 @@ def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int,
               - log_gamma_excess(s, h * n))
     if per_trial:
         excess = excess + (1.0 - h) * log_binom
-    return jnp.where(y <= n, h * pmf + excess, -jnp.inf)
+    out = h * pmf + excess
+    if tempered_local:  # tempered_log_gamma's sum over the three factors: no large terms
+        d = 1.0 - h
+        out = ((1.0 if per_trial else h) * log_binom
+               + tempered_log_gamma(a, d + h * yc, h) + tempered_log_gamma(b, d + h * (n - yc), h)
+               - tempered_log_gamma(s, 2.0 * d + h * n, h))
+        proper = (h * a + d > 0) & (h * b + d > 0)
+        out = jnp.where(proper, out, jnp.inf)
+    return jnp.where(y <= n, out, -jnp.inf)
 
 
 class CollapsedBetaBinomial(npd.BetaBinomial):
@@ -142,13 +157,18 @@ class CollapsedBetaBinomial(npd.BetaBinomial):
     :math:`\log c / \text{trials}` with :math:`c = \sum_k \binom{m}{k} B(a + hk, b + h(m -
     k)) / B(a, b)`, :math:`m` = ``trials`` (the trials' own :math:`\sum_{x \in \{0, 1\}^m}
     \prod_j p^{h x_j} (1 - p)^{h (1 - x_j)} = (p^h + (1 - p)^h)^m`), so that the entries of a
-    group add up to its :math:`\log c`."""
+    group add up to its :math:`\log c`.
 
-    pytree_aux_fields = ("terms", "trials")
+    ``tempered_local``: the local was tempered too (``latent=`` names it), its density
+    :math:`\mathrm{Beta}(p; a, b)^{1/T}` unnormalised in :math:`c`."""
+
+    pytree_aux_fields = ("terms", "trials", "tempered_local")
 
     def __init__(self, concentration1: Array, concentration0: Array, total_count: Array = 1,
-                 *, terms: int = 2, trials: int = 1, validate_args: bool | None = None) -> None:
+                 *, terms: int = 2, trials: int = 1, tempered_local: bool = False,
+                 validate_args: bool | None = None) -> None:
         self.terms, self.trials = int(terms), int(trials)
+        self.tempered_local = bool(tempered_local)
         super().__init__(concentration1, concentration0, total_count,
                          validate_args=validate_args)
 
@@ -162,7 +182,7 @@ class _TemperedCollapsed(TemperedDistribution):
             raise NotImplementedError("the tempered law of trials that share a local is joint "
                                       "over the group: no per-trial log_prob")
         log_t = _log_terms(d.concentration1, d.concentration0, d.total_count,
-                           self.temperature, d.terms)
+                           self.temperature, d.terms, tempered_local=d.tempered_local)
         y = jnp.asarray(value).astype(jnp.int32)[..., None]
         shape = jnp.broadcast_shapes(y.shape[:-1], log_t.shape[:-1])
         log_t = jnp.broadcast_to(log_t, shape + (d.terms,))
@@ -176,7 +196,7 @@ def _sample_collapsed(key: Array, td: _TemperedCollapsed, shape: tuple[int, ...]
     if d.trials > 1:
         raise NotImplementedError("trials that share a local are drawn jointly: no sampler")
     log_t = _log_terms(d.concentration1, d.concentration0, d.total_count, td.temperature,
-                       d.terms)
+                       d.terms, tempered_local=d.tempered_local)
     log_t = jnp.broadcast_to(log_t, td.batch_shape + (d.terms,))
     return jax.random.categorical(key, log_t, shape=shape + td.batch_shape).astype(
         jnp.result_type(float))
@@ -186,10 +206,12 @@ def _sample_collapsed(key: Array, td: _TemperedCollapsed, shape: tuple[int, ...]
 def _collapsed(d: CollapsedBetaBinomial, t: Array) -> TemperedResult:
     a, b = d.concentration1, d.concentration0
     if d.trials > 1:
-        log_c = logsumexp(_log_terms(a, b, d.trials, t, d.trials + 1, per_trial=True), -1)
+        log_c = logsumexp(_log_terms(a, b, d.trials, t, d.trials + 1, per_trial=True,
+                                     tempered_local=d.tempered_local), -1)
         log_z = log_c / d.trials
     else:
-        log_z = logsumexp(_log_terms(a, b, d.total_count, t, d.terms), axis=-1)
+        log_z = logsumexp(_log_terms(a, b, d.total_count, t, d.terms,
+                                     tempered_local=d.tempered_local), axis=-1)
         log_z = jnp.where(jnp.asarray(d.total_count) < d.terms, log_z, jnp.nan)
     law = _TemperedCollapsed(d, t, log_z, _sample_collapsed, validate_args=False)
     return TemperedResult(log_z, law)
@@ -207,6 +229,7 @@ class Collapse(NamedTuple):
     terms: int  # one more than its largest count
     event_ndims: int  # the child's event dimensions (``to_event``)
     trials: int = 1  # Bernoulli trials per local (its leading dimensions beyond the local's)
+    tempered_local: bool = False  # the local's density is raised to 1/T too
 
 
 def _layers(fn: Any) -> Any:
@@ -265,7 +288,7 @@ def _candidates(tr: dict) -> dict[str, str]:
     out = {}
     for name, site in tr.items():
         if (site["type"] != "sample" or site["is_observed"] or not _unscaled(site)
-                or site["infer"].get(TEMPERED, False) or _beta_params(site["fn"]) is None):
+                or _beta_params(site["fn"]) is None):
             continue
         value = jnp.asarray(site["value"])
         readers = [c for c, s in tr.items() if s["type"] == "sample" and c != name
@@ -331,7 +354,8 @@ def collapsible_locals(marked: Callable, args: tuple, kwargs: dict,
         trials = _reads(tr[child], jnp.asarray(tr[local]["value"]))
         if trials >= _BINOMIAL_ONE_CHUNK:  # (the sum has trials + 1 terms per element)
             continue
-        out[local] = Collapse(child, int(most) + 1, event_ndims, trials)
+        tempered_local = bool(tr[local]["infer"].get(TEMPERED, False))
+        out[local] = Collapse(child, int(most) + 1, event_ndims, trials, tempered_local)
     return out
 
 
@@ -370,6 +394,7 @@ class _collapse(Messenger):
             count = _probs_and_count(msg["fn"])[1]
             a, b = jnp.broadcast_to(a, count.shape), jnp.broadcast_to(b, count.shape)
             fn = CollapsedBetaBinomial(a, b, count, terms=pair.terms, trials=pair.trials,
+                                       tempered_local=pair.tempered_local,
                                        validate_args=False)
             msg["fn"] = fn.to_event(pair.event_ndims) if pair.event_ndims else fn
 

@@ -160,6 +160,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Collection
@@ -1675,6 +1676,8 @@ def log_partition(
     collapsed = collapsible_locals(marked, args, kwargs, selection)
     if collapsed:  # Beta locals read only by a Binomial: integrated in closed form
         model = collapse_locals(model, collapsed)
+        # a tempered local is hidden from temper now; its reader's normaliser tempers it
+        selection = dataclasses.replace(selection, latent=selection.latent - set(collapsed))
         marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
     with binomial_terms(_largest_binomial_count(model, args, kwargs,
                                                 structure.binomial_sites)):
