@@ -830,6 +830,8 @@ class LogPartitionEstimate(NamedTuple):
             light at 0); 2 where it still rises up to where the model's log density stops
             being finite (an overflow: mass out of reach in this dtype); else 0. Flagged
             where nonzero, with an infinite ``stderr``.
+        collapsed: the Beta locals integrated in closed form
+            (:mod:`numpyro_tempering.conjugate`), sorted; ``()`` if none.
 
     For ``"smc"``, ``log_c`` is :math:`\log\frac1R\sum_r \hat C_r`, ``stderr`` the
     delta-method standard error across the R replicates, ``ess`` the final-stage effective
@@ -861,6 +863,7 @@ class LogPartitionEstimate(NamedTuple):
     quadrature_error: np.ndarray | None = None
     divergent: np.ndarray | None = None
     tail_grows: np.ndarray | None = None
+    collapsed: tuple[str, ...] = ()
 
     def _missed_or_quadrature(self) -> np.ndarray | None:
         flags = [np.asarray(f, bool) for f in (self.missed_mass, self.tail_grows)
@@ -1663,6 +1666,47 @@ def log_partition(
         raise ValueError(f"`method` must be one of {METHODS}, got {method!r}.")
     if route not in ROUTES:
         raise ValueError(f"`route` must be one of {ROUTES}, got {route!r}.")
+    options = dict(num_samples=num_samples, num_inner=num_inner, plate=plate,
+                   batch_size=batch_size, fallback=fallback, num_particles=num_particles,
+                   num_replicates=num_replicates, num_mcmc_steps=num_mcmc_steps,
+                   max_stages=max_stages, progress_bar=progress_bar, route=route)
+    selection = Selection.of(sites, latent, exclude, joint)
+    marked, _, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
+    collapsed = collapsible_locals(marked, args, kwargs, selection)
+    if not collapsed:
+        return _log_partition(rng_key, model, temperatures, args, kwargs, method=method,
+                              selection=selection, **options)
+    # Beta locals read only by a Binomial: integrated in closed form; a tempered one is hidden
+    # from temper now (its reader's normaliser tempers it), so the selection loses its name
+    inner = dataclasses.replace(selection, latent=selection.latent - set(collapsed))
+    est = _log_partition(rng_key, collapse_locals(model, collapsed), temperatures, args,
+                         kwargs, method=method, selection=inner, **options)
+    return est._replace(selection=selection if est.selection is not None else None,
+                        collapsed=tuple(sorted(collapsed)))
+
+
+def _log_partition(
+    rng_key: jax.Array,
+    model: Callable,
+    temperatures: jax.typing.ArrayLike,
+    args: tuple,
+    kwargs: dict,
+    *,
+    method: str,
+    selection: Selection,
+    num_samples: int,
+    num_inner: int,
+    plate: str | None,
+    batch_size: int | None,
+    fallback: Fallback,
+    num_particles: int,
+    num_replicates: int,
+    num_mcmc_steps: int,
+    max_stages: int,
+    progress_bar: bool,
+    route: str,
+) -> LogPartitionEstimate:
+    """:func:`log_partition` for a model (collapsed or not) and a selection."""
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
     num_particles = _check_count(num_particles, "num_particles", 2)
@@ -1671,14 +1715,7 @@ def log_partition(
     max_stages = _check_count(max_stages, "max_stages")
     if batch_size is not None:
         batch_size = _check_count(batch_size, "batch_size")
-    selection = Selection.of(sites, latent, exclude, joint)
     marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
-    collapsed = collapsible_locals(marked, args, kwargs, selection)
-    if collapsed:  # Beta locals read only by a Binomial: integrated in closed form
-        model = collapse_locals(model, collapsed)
-        # a tempered local is hidden from temper now; its reader's normaliser tempers it
-        selection = dataclasses.replace(selection, latent=selection.latent - set(collapsed))
-        marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
     with binomial_terms(_largest_binomial_count(model, args, kwargs,
                                                 structure.binomial_sites)):
         key_probe = random.fold_in(rng_key, 1)

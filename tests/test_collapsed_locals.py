@@ -200,6 +200,7 @@ def test_without_globals_log_partition_is_exact():
     est = log_partition(KEY, beta_binomial, temps, COUNTS, plate="data", progress_bar=False)
     np.testing.assert_allclose(est.log_c, exact, atol=5e-5)
     assert np.all(np.asarray(est.stderr) < 1e-6) and not est.flagged.any()
+    assert est.collapsed == ("p",)
 
 
 RAT_COUNTS = np.array([20, 20, 19, 18, 17, 25, 24, 10, 49, 46, 27, 13, 48, 50, 22, 52, 14, 20])
@@ -319,6 +320,7 @@ def test_a_tempered_local_enters_as_its_unnormalised_power():
     temps = np.array([1.0, 2.5])
     est = log_partition(KEY, beta_binomial, temps, COUNTS, plate="data", latent="p",
                         progress_bar=False)
+    assert est.collapsed == ("p",) and est.selection == Selection.of(latent="p")
     exact = [sum(definition(0.7, 1.9, int(n), T, tempered_local=True) for n in COUNTS)
              for T in temps]
     assert abs(exact[1] - sum(definition(0.7, 1.9, int(n), 2.5) for n in COUNTS)) > 0.1
