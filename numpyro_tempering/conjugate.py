@@ -26,8 +26,9 @@ float32 resolves (docs/reproductions.md, "A Beta local under a log-normal concen
 
 Each term is evaluated as :math:`h \log \mathrm{Binomial}(y \mid n, m) + R(a, hy) + R(b,
 h(n - y)) - R(a + b, hn)` with :math:`m = a/(a + b)` and :math:`R(x, d) = \log\Gamma(x + d)
-- \log\Gamma(x) - d \log x` (Stirling's series from 8 on): the terms of size :math:`h n
-\log(a + b)` cancel analytically, so a concentrated Beta keeps float32 accuracy.
+- \log\Gamma(x) - d \log x` (:func:`~numpyro_tempering.special.log_gamma_excess`): the
+terms of size :math:`h n \log(a + b)` cancel analytically, so a concentrated Beta keeps
+float32 accuracy.
 
 **Which pairs.** The local is an unobserved ``Beta`` site (plate expansions and ``to_event``
 allowed; tempered or not: with ``latent=`` naming it, its density :math:`\mathrm{Beta}(p; a,
@@ -77,41 +78,10 @@ from numpyro_tempering.partition import (
     TemperedResult,
     register_tempered,
 )
-from numpyro_tempering.special import (
-    _LOG_BETA_LARGE,
-    _stirling_correction,
-    tempered_log_gamma,
-)
+from numpyro_tempering.special import log_gamma_excess, tempered_log_gamma
 from numpyro_tempering.structure import structure_trace
 
-__all__ = ["CollapsedBetaBinomial", "collapse_locals", "collapsible_locals", "log_gamma_excess"]
-
-
-def log_gamma_excess(x: Array, d: Array) -> Array:
-    r""":math:`R(x, d) = \log\Gamma(x + d) - \log\Gamma(x) - d\log x` for :math:`x > 0,
-    d \ge 0`: for :math:`x \ge 8` by Stirling's series, :math:`(x + d - \tfrac12)
-    \log(1 + d/x) - d + \delta(x + d) - \delta(x)` (no terms of size :math:`d \log x` to
-    cancel), below 8 the log-gammas directly.
-
-    Example:
-        >>> import mpmath
-        >>> from jax.scipy.special import gammaln
-        >>> x, d = 1e6, 7.5
-        >>> exact = float(mpmath.loggamma(mpmath.mpf(x) + d) - mpmath.loggamma(x)
-        ...               - d * mpmath.log(x))  # 2.4e-5
-        >>> got = float(log_gamma_excess(jnp.float32(x), jnp.float32(d)))
-        >>> x32, d32 = jnp.float32(x), jnp.float32(d)
-        >>> plain = float(gammaln(x32 + d32) - gammaln(x32) - d32 * jnp.log(x32))
-        >>> bool(abs(got - exact) < 1e-7), bool(abs(plain - exact) > 0.5)  # float32
-        (True, True)
-    """
-    big = x >= _LOG_BETA_LARGE
-    xb = jnp.where(big, x, _LOG_BETA_LARGE)
-    large = ((xb + d - 0.5) * jnp.log1p(d / xb) - d
-             + _stirling_correction(xb + d) - _stirling_correction(xb))
-    xs = jnp.where(big | (x <= 0), 1.0, x)
-    small = gammaln(xs + d) - gammaln(xs) - d * jnp.log(xs)
-    return jnp.where(big, large, jnp.where(x > 0, small, jnp.nan))
+__all__ = ["CollapsedBetaBinomial", "collapse_locals", "collapsible_locals"]
 
 
 def _log_terms(a: Array, b: Array, n: Array, t: Array, terms: int,
@@ -176,13 +146,17 @@ class CollapsedBetaBinomial(npd.BetaBinomial):
 class _TemperedCollapsed(TemperedDistribution):
     """The normalised tempered law of a :class:`CollapsedBetaBinomial` over its counts."""
 
+    def log_terms(self) -> Array:
+        d = self.base_dist
+        return _log_terms(d.concentration1, d.concentration0, d.total_count, self.temperature,
+                          d.terms, tempered_local=d.tempered_local)
+
     def log_prob(self, value: Array) -> Array:
         d = self.base_dist
         if d.trials > 1:
             raise NotImplementedError("the tempered law of trials that share a local is joint "
                                       "over the group: no per-trial log_prob")
-        log_t = _log_terms(d.concentration1, d.concentration0, d.total_count,
-                           self.temperature, d.terms, tempered_local=d.tempered_local)
+        log_t = self.log_terms()
         y = jnp.asarray(value).astype(jnp.int32)[..., None]
         shape = jnp.broadcast_shapes(y.shape[:-1], log_t.shape[:-1])
         log_t = jnp.broadcast_to(log_t, shape + (d.terms,))
@@ -195,8 +169,7 @@ def _sample_collapsed(key: Array, td: _TemperedCollapsed, shape: tuple[int, ...]
     d = td.base_dist
     if d.trials > 1:
         raise NotImplementedError("trials that share a local are drawn jointly: no sampler")
-    log_t = _log_terms(d.concentration1, d.concentration0, d.total_count, td.temperature,
-                       d.terms, tempered_local=d.tempered_local)
+    log_t = jnp.broadcast_to(td.log_terms(), td.batch_shape + (d.terms,))
     log_t = jnp.broadcast_to(log_t, td.batch_shape + (d.terms,))
     return jax.random.categorical(key, log_t, shape=shape + td.batch_shape).astype(
         jnp.result_type(float))

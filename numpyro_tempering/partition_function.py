@@ -1671,11 +1671,11 @@ def log_partition(
                    num_replicates=num_replicates, num_mcmc_steps=num_mcmc_steps,
                    max_stages=max_stages, progress_bar=progress_bar, route=route)
     selection = Selection.of(sites, latent, exclude, joint)
-    marked, _, _ = _prepare(model, temperatures, args, kwargs, plate, selection)
-    collapsed = collapsible_locals(marked, args, kwargs, selection)
+    prepared = _prepare(model, temperatures, args, kwargs, plate, selection)
+    collapsed = collapsible_locals(prepared[0], args, kwargs, selection)
     if not collapsed:
         return _log_partition(rng_key, model, temperatures, args, kwargs, method=method,
-                              selection=selection, **options)
+                              selection=selection, prepared=prepared, **options)
     # Beta locals read only by a Binomial: integrated in closed form; a tempered one is hidden
     # from temper now (its reader's normaliser tempers it), so the selection loses its name
     inner = dataclasses.replace(selection, latent=selection.latent - set(collapsed))
@@ -1705,8 +1705,10 @@ def _log_partition(
     max_stages: int,
     progress_bar: bool,
     route: str,
+    prepared: tuple | None = None,
 ) -> LogPartitionEstimate:
-    """:func:`log_partition` for a model (collapsed or not) and a selection."""
+    """:func:`log_partition` for a model (collapsed or not) and a selection; ``prepared``:
+    :func:`_prepare`'s result for them, if the caller has it."""
     num_samples = _check_count(num_samples, "num_samples", 2)
     num_inner = _check_count(num_inner, "num_inner")
     num_particles = _check_count(num_particles, "num_particles", 2)
@@ -1715,7 +1717,8 @@ def _log_partition(
     max_stages = _check_count(max_stages, "max_stages")
     if batch_size is not None:
         batch_size = _check_count(batch_size, "batch_size")
-    marked, temps, structure = _prepare(model, temperatures, args, kwargs, plate, selection)
+    marked, temps, structure = prepared or _prepare(model, temperatures, args, kwargs, plate,
+                                                    selection)
     with binomial_terms(_largest_binomial_count(model, args, kwargs,
                                                 structure.binomial_sites)):
         key_probe = random.fold_in(rng_key, 1)

@@ -23,10 +23,10 @@ from numpyro_tempering.conjugate import (
     CollapsedBetaBinomial,
     collapse_locals,
     collapsible_locals,
-    log_gamma_excess,
 )
 from numpyro_tempering.handlers import Selection, temper
 from numpyro_tempering.partition import tempered, tempered_log_normalizer
+from numpyro_tempering.special import log_gamma_excess
 
 KEY = jax.random.PRNGKey(0)
 
@@ -151,7 +151,7 @@ def test_a_beta_local_read_as_probs_by_one_tempered_binomial_is_collapsed():
 
 
 @pytest.mark.parametrize("case", ["function of p", "second reader", "factor", "logits",
-                                  "child untempered", "masked", "scaled",
+                                  "conditioned", "child untempered", "masked", "scaled",
                                   "predicate selection"])
 def test_anything_else_keeps_its_route(case):
     model, select = beta_binomial, {}
@@ -166,6 +166,8 @@ def test_anything_else_keeps_its_route(case):
     elif case == "logits":
         model = lambda n: beta_binomial(  # noqa: E731
             n, child=lambda n, probs: dist.Binomial(n, logits=jnp.log(probs / (1 - probs))))
+    elif case == "conditioned":  # p observed: no latent to integrate
+        model = numpyro.handlers.condition(beta_binomial, {"p": jnp.full(5, 0.3)})
     elif case == "child untempered":
         select = {"sites": ["z"]}
 
